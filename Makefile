@@ -1,0 +1,20 @@
+# `make demo` and `make test` work on a fresh machine: they install what is missing first.
+PYTHON ?= python3
+export TQDM_MININTERVAL ?= 5
+
+.PHONY: install demo test clean
+
+# torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
+# CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
+	@$(PYTHON) -m pip install -q -r requirements.txt
+
+demo: install
+	$(PYTHON) sft.py
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+clean:
+	rm -rf runs

@@ -1,0 +1,133 @@
+"""sft.py: supervised fine-tuning, the first stage of RLHF (Stiennon et al. 2020, Sec. 3.5).
+
+Maximises log pi(y | x) of demonstration completions y given prompts x; prompt tokens are masked
+out of the loss (TRL's `completion_only_loss`). The loss is the mean over completion tokens of
+the micro-batch, as in TRL.
+
+Departures from the paper and from TRL:
+- With no --model, a tiny Qwen2 is built from a config and trained *from scratch* on the
+  embedded TL;DR world (world.py); this is what the tests and `make demo` run.
+- `messages` rows train on the last assistant turn only (everything before it is the prompt).
+- Log-probs come from common.completion_logprobs: the LM head runs on completion positions only,
+  in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
+
+Run:
+    python sft.py                                   # embedded world, from scratch -> runs/sft
+    python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara --learning_rate 2e-5
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+import common
+import world
+from common import TrainArgs
+
+
+@dataclass
+class Args(TrainArgs):
+    # model and data
+    model: str = field(default="", metadata={"help": "Hub id or folder; empty: a tiny Qwen2 trained from scratch on the embedded world."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
+    max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
+    hidden_size: int = field(default=192, metadata={"help": "From-scratch model only: hidden size of the tiny Qwen2."})
+    num_layers: int = field(default=2, metadata={"help": "From-scratch model only: number of layers of the tiny Qwen2."})
+    # optimisation (defaults train the tiny model from scratch; use ~2e-5 for a pretrained one)
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (2e-3 suits the from-scratch model; ~2e-5 a pretrained one)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    warmup_steps: int = field(default=30, metadata={"help": "Linear warm-up steps."})
+    batch_size: int = field(default=32, metadata={"help": "Examples per micro-batch."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+
+
+def sft_loss(logprobs, completion_mask):
+    """Negative log-likelihood, mean over completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens."""
+    return -(logprobs * completion_mask).sum() / completion_mask.sum().clamp(min=1)
+
+
+def main():
+    args = common.parse_args(Args, "sft")
+    common.set_seed(args.seed)
+    device = common.device()
+
+    # ---- model and tokenizer
+    from_scratch = args.model == ""
+    if from_scratch:
+        if args.dataset != common.EMBEDDED:
+            common.fail("a model trained from scratch only knows the embedded world's words; pass --model with --dataset.")
+        tokenizer = world.build_tokenizer()
+        model = world.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
+        model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+        model = common.load_model(args.model, args)
+    model.train()
+
+    # ---- data: (prompt, completion) pairs rendered to text
+    if args.dataset == common.EMBEDDED:
+        ds = common.embedded_world(args.seed)["sft"]
+    else:
+        ds = common.load_data(args.dataset, args.dataset_split)
+    pairs = common.sft_pairs(ds, args.dataset)
+    prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
+    completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]
+    print(f"sft: {len(pairs)} examples from {common.dataset_name(args.dataset)}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
+
+    init = {}
+    if args.dataset == common.EMBEDDED and from_scratch:  # the floor the policy must rise from
+        init = {"init_gold_score": common.gold_eval(model, tokenizer, args)["gold_score"]}
+        print(f"sft: random-init gold score {init['init_gold_score']:.3f}")
+
+    # ---- optimizer
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args)
+    logger = common.MetricsLogger(args)
+
+    # ---- loop
+    pbar = common.progress(args, desc="sft")
+    for step in pbar:
+        losses, n_tokens = [], 0
+        for micro in range(args.gradient_accumulation_steps):
+            idx = common.batch_indices(len(pairs), args.batch_size, args.seed,
+                                       step * args.gradient_accumulation_steps + micro)
+            prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+            completion_ids, completion_mask = common.encode_completions(
+                tokenizer, [completions[i] for i in idx], args.max_completion_length)
+            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+            completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
+
+            logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+            loss = sft_loss(logprobs, completion_mask)
+            (loss / args.gradient_accumulation_steps).backward()
+            losses.append(loss.detach())
+            n_tokens += int(completion_mask.sum())
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        scheduler.step()
+
+        # ---- log and save
+        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
+            logger.log(step + 1, {"loss": torch.stack(losses).mean(), "grad_norm": grad_norm,
+                                  "learning_rate": scheduler.get_last_lr()[0], "num_tokens": n_tokens}, pbar)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+
+    # ---- final save and evaluation
+    logger.close()
+    common.save_final(model, tokenizer, args)
+    summary = {"final_loss": float(torch.stack(losses).mean()), **init}
+    if args.dataset == common.EMBEDDED:
+        ev = common.gold_eval(model, tokenizer, args)
+        summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))
+        print(f"sft: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
+              f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
+    common.write_json(f"{args.output_dir}/summary.json", summary)
+    print(f"sft: saved to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()

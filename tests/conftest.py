@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny models and tokenizers built locally (nothing is downloaded)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import world  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def run_script(*argv, timeout=600, check=True):
+    """Run one of the project's scripts as a user would, in a subprocess."""
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{argv} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A local tiny LlamaForCausalLM folder whose tokenizer has a chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tok = world.build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    """A local tiny Qwen2 folder with the world tokenizer (random weights)."""
+    path = tmp_path_factory.mktemp("tiny_qwen")
+    tok = world.build_tokenizer()
+    world.build_model(tok, hidden_size=64, num_layers=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

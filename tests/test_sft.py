@@ -1,0 +1,65 @@
+"""sft.py end to end at tiny size, through subprocess, as a user runs it."""
+
+import json
+import os
+
+import torch
+from conftest import run_script
+
+
+def _metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sft_from_scratch_on_the_embedded_world(tmp_path):
+    out = str(tmp_path / "sft")
+    run_script("sft.py", "--output_dir", out, "--max_steps", "6", "--batch_size", "8", "--hidden_size", "64",
+               "--num_layers", "1", "--save_steps", "3", "--eval_batch_size", "100", "--optim", "adamw")
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(k in rows[0] for k in ("loss", "grad_norm", "learning_rate"))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert -1 <= summary["gold_score"] <= 1 and summary["reference_gold"] == 1.0
+    assert 0.5 < summary["label_ceiling"] < 1 and summary["demo_gold"] < 1
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for folder in (out, os.path.join(out, "checkpoint-3"), os.path.join(out, "checkpoint-6")):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert tok.pad_token_id != tok.eos_token_id
+        assert model.config.model_type == "qwen2"
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_sft_any_model_on_conversational_jsonl(tmp_path, tiny_llama):
+    data = tmp_path / "chat.jsonl"
+    with open(data, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": "POST: alice bought the bike . TL;DR:"},
+                {"role": "assistant", "content": "alice bought bike ."}]}) + "\n")
+    out = str(tmp_path / "sft_llama")
+    proc = run_script("sft.py", "--model", tiny_llama, "--dataset", str(data), "--output_dir", out,
+                      "--max_steps", "4", "--batch_size", "4", "--learning_rate", "1e-3")
+    assert "12 examples" in proc.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "llama"
+    assert json.load(open(os.path.join(out, "summary.json")))["final_loss"] > 0
+    before = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)
+
+
+def test_sft_rejects_bad_input_with_a_clear_message(tmp_path, tiny_llama):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "completion": " y"}\n{"prompt": "x"\n')
+    proc = run_script("sft.py", "--model", tiny_llama, "--dataset", str(bad), "--output_dir", str(tmp_path / "o"),
+                      check=False)
+    assert proc.returncode != 0 and "bad.jsonl, line 2" in proc.stderr
+    proc = run_script("sft.py", "--optim", "sgd", "--output_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0 and "--optim 'sgd'" in proc.stderr
+    proc = run_script("sft.py", "--model", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0 and "does not exist" in proc.stderr

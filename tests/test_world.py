@@ -1,0 +1,105 @@
+"""The embedded world: the gold judge's formula, the generator's guarantees, the tokenizer."""
+
+import pytest
+
+import world
+from world import gold_score
+
+POST = "yesterday alice bought the bike at the park . the weather was nice . bob lost a phone near the station today ."
+
+
+def test_reference_scores_one():
+    assert gold_score(POST, "alice bought bike . bob lost phone .") == 1.0
+
+
+def test_gold_formula_by_hand():
+    # omission: 1 of 2 facts covered, 4 words fewer than the reference (no excess)
+    assert gold_score(POST, "alice bought bike .") == pytest.approx(0.5)
+    # hallucination: both facts + one not in the post; 12 words vs 8 -> 4 excess words
+    assert gold_score(POST, "alice bought bike . carol sold lamp . bob lost phone .") == pytest.approx(
+        (2 - 0.5 * 1) / 2 - 0.02 * 4)
+    # a restated fact counts as repeated, not covered twice
+    assert gold_score(POST, "alice bought bike . alice bought bike .") == pytest.approx((1 - 0.5) / 2)
+    # verbosity: 3 extra words
+    assert gold_score(POST, "alice bought the bike . bob lost the phone today .") == pytest.approx(1 - 0.02 * 3)
+    # a clause with no (person, action, object) is unsupported
+    assert gold_score(POST, "alice bought bike . bob lost phone . the weather was nice .") == pytest.approx(
+        (2 - 0.5) / 2 - 0.02 * 5)
+    # order inside a clause matters: object before person is no fact
+    assert gold_score(POST, "bike bought alice .") == pytest.approx(-0.25)
+    assert gold_score(POST, "") == 0.0
+    # clipped at -1
+    assert gold_score(POST, " ".join(["carol sold lamp ."] * 10)) == -1.0
+
+
+def test_mentions_are_not_facts():
+    assert world.key_facts("alice was happy . i called bob later . carol fixed the car .") == [("carol", "fixed", "car")]
+
+
+def test_gold_reward_signature_and_post_recovery():
+    prompt = world.PROMPT_TEMPLATE.format(post=POST)
+    assert world.gold_reward([prompt], [" alice bought bike . bob lost phone ."]) == [1.0]
+    assert world.gold_reward([prompt], [" alice bought bike ."], post=[POST]) == [0.5]
+    convo = [{"role": "user", "content": prompt}]
+    assert world.gold_reward([convo], [[{"role": "assistant", "content": "alice bought bike . bob lost phone ."}]]) == [1.0]
+
+
+@pytest.fixture(scope="module")
+def small_world():
+    return world.build_world(seed=3, sizes={"sft": 400, "prefs": 300, "rl": 100, "test": 50})
+
+
+def test_world_is_deterministic(small_world):
+    again = world.build_world(seed=3, sizes={"sft": 400, "prefs": 300, "rl": 100, "test": 50})
+    for name in small_world:
+        assert small_world[name].to_list() == again[name].to_list()
+    other = world.build_world(seed=4, sizes={"sft": 400, "prefs": 300, "rl": 100, "test": 50})
+    assert other["test"]["post"] != small_world["test"]["post"]
+
+
+def test_test_split_is_disjoint(small_world):
+    test_posts = set(small_world["test"]["post"])
+    for name in ("sft", "prefs", "rl"):
+        assert not test_posts & set(small_world[name]["post"])
+    # and it does not depend on how large the training splits are
+    bigger = world.build_world(seed=3, sizes={"sft": 900, "prefs": 10, "rl": 10, "test": 50})
+    assert bigger["test"]["post"] == small_world["test"]["post"]
+
+
+def test_formats(small_world):
+    assert {"prompt", "completion"} <= set(small_world["sft"].column_names)
+    assert {"prompt", "chosen", "rejected"} <= set(small_world["prefs"].column_names)
+    assert {"prompt", "post"} <= set(small_world["rl"].column_names)
+    assert {"prompt", "reference"} <= set(small_world["test"].column_names)
+    row = small_world["sft"][0]
+    assert row["prompt"].startswith("POST: ") and row["prompt"].endswith("TL;DR:")
+    assert row["completion"].startswith(" ")
+
+
+def test_headroom_and_noisy_labels(small_world):
+    stats = world.world_stats(small_world)
+    assert stats["reference_gold"] == 1.0
+    assert 0.6 < stats["demo_gold"] < 0.9  # demonstrations are clearly worse than references
+    assert 0.7 < stats["label_ceiling"] < 0.9  # labels are noisy: the gold judge disagrees sometimes
+    kinds = set(small_world["sft"]["annotator"])
+    assert kinds == set(world.ANNOTATORS)
+    # the Bradley-Terry labels prefer the higher gold score more often than not
+    prefs = small_world["prefs"]
+    better = sum(c > r for c, r in zip(prefs["chosen_gold"], prefs["rejected_gold"]))
+    assert better > 0.6 * len(prefs)
+
+
+def test_write_jsonl(small_world, tmp_path):
+    world.write_jsonl(small_world, tmp_path)
+    lines = (tmp_path / "sft.jsonl").read_text().splitlines()
+    assert len(lines) == 400
+
+
+def test_tokenizer_round_trip_and_specials(small_world):
+    tok = world.build_tokenizer()
+    assert tok.pad_token_id != tok.eos_token_id
+    for row in small_world["sft"].select(range(50)):
+        text = row["prompt"] + row["completion"]
+        ids = tok(text)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert tok(tok.decode(ids))["input_ids"] == ids

@@ -1,0 +1,321 @@
+"""The embedded world: a seeded, synthetic TL;DR task with a rule-based gold judge.
+
+Every test, and anyone without a GPU, runs the pipeline on this world. It plays the part of
+Reddit TL;DR + human labellers in Stiennon et al. 2020:
+
+- a **post** is a few sentences built from a fixed lexicon. Some sentences state a *fact*
+  (a person, an action, an object, in that order: "yesterday alice bought the bike at the park .")
+  and the others are filler ("the weather was nice .", "alice was happy .");
+- the **key facts** of a post are exactly the facts it states; the **reference TL;DR** states
+  them, tersely, in order: "alice bought bike . bob lost phone ." ;
+- the **gold judge** `gold_score(post, summary)` (formula below) is the human labeller and the
+  rule verifier that GRPO can optimise directly;
+- **demonstrations** come from simulated annotators of mixed quality (careful, lazy, inventive,
+  verbose), so an SFT policy that imitates them scores clearly below the references;
+- **preference pairs** label two annotator summaries with a Bradley-Terry draw on the gold-score
+  difference at temperature `PREF_TEMPERATURE`, so labels are noisy, the way human labels are.
+
+Everything is plain text, so any tokenizer and model can train on it; `build_tokenizer` and
+`build_model` give the tiny word-level Qwen2 that the tests and `make demo` train from scratch.
+"""
+
+import json
+import math
+import os
+import random
+import re
+
+from datasets import Dataset
+
+# ---------------------------------------------------------------- lexicon
+PEOPLE = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar".split()
+ACTIONS = "bought sold lost found fixed painted borrowed broke cleaned hid moved washed".split()
+OBJECTS = "bike car laptop phone guitar lamp chair book camera watch kettle sofa".split()
+PLACES = "park station office kitchen garage market library school beach garden".split()
+ADJECTIVES = "old new red small big shiny".split()
+FILLER = [
+    "the weather was nice .",
+    "i was so tired after that .",
+    "it was a long week .",
+    "nobody knows why .",
+    "anyway that is the whole story .",
+    "we had a lot of fun .",
+    "what do you think ?",
+    "honestly i did not expect it .",
+]
+MENTIONS = ["{p} was happy .", "{p} says hi .", "i called {p} later ."]  # a person, but no fact
+FACT_TEMPLATES = [
+    "{p} {a} the {o} .",
+    "{t} {p} {a} the {o} at the {pl} .",
+    "i think {p} {a} the {adj} {o} .",
+    "{p} {a} a {o} near the {pl} {t} .",
+]
+PROMPT_TEMPLATE = "POST: {post}\nTL;DR:"  # the completion is " " + summary
+
+# ---------------------------------------------------------------- gold judge
+# gold = covered / n - 0.5 * unsupported / n - 0.5 * repeated / n - 0.02 * max(0, words - ref_words)
+# clipped to [-1, 1], where n is the number of key facts in the post, and each clause of the
+# summary (split at ".") is read as its first (person, action, object) in order:
+#   covered     key facts stated at least once;
+#   unsupported clauses that state no fact, or a fact the post does not contain (hallucination);
+#   repeated    clauses that restate a key fact already covered;
+#   words       summary length in words (with "."), against the reference's 4 words per fact.
+# The reference scores exactly 1.0; an empty summary scores 0.
+W_UNSUPPORTED, W_REPEATED, W_EXCESS_WORD = 0.5, 0.5, 0.02
+_WORD = re.compile(r"[a-z]+|[.?!]")
+_PEOPLE, _ACTIONS, _OBJECTS = set(PEOPLE), set(ACTIONS), set(OBJECTS)
+
+
+def _words(text):
+    return _WORD.findall(text.lower())
+
+
+def _clauses(text):
+    """Split text into clauses (lists of words) at sentence ends."""
+    clause, out = [], []
+    for w in _words(text):
+        if w in ".?!":
+            if clause:
+                out.append(clause)
+            clause = []
+        else:
+            clause.append(w)
+    if clause:
+        out.append(clause)
+    return out
+
+
+def _fact(clause):
+    """The first (person, action, object) of a clause, in that order, or None."""
+    person = action = None
+    for w in clause:
+        if person is None:
+            if w in _PEOPLE:
+                person = w
+        elif action is None:
+            if w in _ACTIONS:
+                action = w
+        elif w in _OBJECTS:
+            return (person, action, w)
+    return None
+
+
+def key_facts(post):
+    """The facts a post states, in order, without repeats."""
+    facts = []
+    for clause in _clauses(post):
+        f = _fact(clause)
+        if f is not None and f not in facts:
+            facts.append(f)
+    return facts
+
+
+def gold_score(post, summary):
+    """The gold judge: deterministic, rule-based score of a summary of a post (formula above)."""
+    facts = key_facts(post)
+    n = max(len(facts), 1)
+    covered, unsupported, repeated = set(), 0, 0
+    for clause in _clauses(summary):
+        f = _fact(clause)
+        if f is None or f not in facts:
+            unsupported += 1
+        elif f in covered:
+            repeated += 1
+        else:
+            covered.add(f)
+    excess = max(0, len(_words(summary)) - 4 * len(facts))
+    score = (len(covered) - W_UNSUPPORTED * unsupported - W_REPEATED * repeated) / n
+    return max(-1.0, min(1.0, score - W_EXCESS_WORD * excess))
+
+
+def post_from_prompt(prompt):
+    """Recover the post from a world prompt (or any text: the judge ignores non-lexicon words)."""
+    if isinstance(prompt, list):  # conversational: the user turns hold the post
+        prompt = " ".join(m["content"] for m in prompt if m.get("role") != "assistant")
+    return prompt.split("TL;DR:")[0].replace("POST:", "")
+
+
+def gold_reward(prompts, completions, **columns):
+    """The gold judge as a reward function with TRL's signature: fn(prompts, completions, **cols)."""
+    posts = columns.get("post") or [post_from_prompt(p) for p in prompts]
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [gold_score(p, c) for p, c in zip(posts, texts)]
+
+
+# ---------------------------------------------------------------- posts and annotators
+def _time(rng):
+    return rng.choice(["yesterday", "today", "tonight", "on monday", "on friday", "last week"])
+
+
+def make_post(rng):
+    """A post with 2-3 distinct facts (no person repeats) and 0-2 filler sentences."""
+    n = rng.randint(2, 3)
+    people = rng.sample(PEOPLE, n)
+    facts = [(p, rng.choice(ACTIONS), rng.choice(OBJECTS)) for p in people]
+    sentences = [
+        rng.choice(FACT_TEMPLATES).format(
+            p=p, a=a, o=o, t=_time(rng), pl=rng.choice(PLACES), adj=rng.choice(ADJECTIVES)
+        )
+        for p, a, o in facts
+    ]
+    for _ in range(rng.randint(0, 2)):
+        if rng.random() < 0.3:
+            filler = rng.choice(MENTIONS).format(p=rng.choice(PEOPLE))
+        else:
+            filler = rng.choice(FILLER)
+        sentences.insert(rng.randint(0, len(sentences)), filler)
+    return " ".join(sentences), facts
+
+
+def reference_summary(facts):
+    return " ".join(f"{p} {a} {o} ." for p, a, o in facts)
+
+
+ANNOTATORS = {"careful": 0.25, "lazy": 0.30, "inventive": 0.20, "verbose": 0.25}
+
+
+def annotate(rng, post, facts, kind):
+    """A demonstration summary written by one simulated annotator."""
+    facts = list(facts)
+    if kind == "lazy":  # omits one fact, or two of four
+        for _ in range(1 if len(facts) < 4 else 2):
+            facts.pop(rng.randrange(len(facts)))
+    if kind == "inventive":  # adds a fact that is not in the post
+        while True:
+            extra = (rng.choice(PEOPLE), rng.choice(ACTIONS), rng.choice(OBJECTS))
+            if extra not in facts:
+                break
+        facts.insert(rng.randint(0, len(facts)), extra)
+    if kind == "verbose":  # states every fact, padded with words from the post
+        return " ".join(
+            f"{p} {rng.choice(['really ', 'finally ', ''])}{a} the {o} "
+            f"{rng.choice(['at the ' + rng.choice(PLACES), _time(rng), 'i think'])} ."
+            for p, a, o in facts
+        )
+    return reference_summary(facts)
+
+
+def sample_annotator(rng):
+    return rng.choices(list(ANNOTATORS), weights=list(ANNOTATORS.values()))[0]
+
+
+# ---------------------------------------------------------------- datasets
+PREF_TEMPERATURE = 0.1  # P(a preferred over b) = sigmoid((gold_a - gold_b) / T)
+SPLIT_SIZES = {"sft": 8000, "prefs": 4000, "rl": 2000, "test": 200}
+
+
+def build_world(seed=0, sizes=None):
+    """The world's splits as `datasets.Dataset`s in TRL's standard formats.
+
+    - `sft`:   prompt + completion (annotator demonstrations), plus `post`, `annotator`;
+    - `prefs`: prompt + chosen + rejected (noisy Bradley-Terry labels), plus `post`,
+               `chosen_gold`, `rejected_gold`;
+    - `rl`:    prompt only, plus `post` (passed on to reward functions);
+    - `test`:  prompt + `reference`, plus `post`; its posts appear in no other split.
+    """
+    sizes = {**SPLIT_SIZES, **(sizes or {})}
+    rng = random.Random(seed)
+    seen = set()  # every post is unique, so the test split is disjoint from the others
+
+    def fresh_post():
+        while True:
+            post, facts = make_post(rng)
+            if post not in seen:
+                seen.add(post)
+                return post, facts
+
+    def prompt(post):
+        return PROMPT_TEMPLATE.format(post=post)
+
+    test = []
+    for _ in range(sizes["test"]):  # drawn first, so train sizes do not change the test split
+        post, facts = fresh_post()
+        test.append({"prompt": prompt(post), "reference": " " + reference_summary(facts), "post": post})
+    sft = []
+    for _ in range(sizes["sft"]):
+        post, facts = fresh_post()
+        kind = sample_annotator(rng)
+        sft.append({"prompt": prompt(post), "completion": " " + annotate(rng, post, facts, kind),
+                    "post": post, "annotator": kind})
+    prefs = []
+    while len(prefs) < sizes["prefs"]:
+        post, facts = fresh_post()
+        a = annotate(rng, post, facts, sample_annotator(rng))
+        b = annotate(rng, post, facts, sample_annotator(rng))
+        if a == b:
+            continue
+        ga, gb = gold_score(post, a), gold_score(post, b)
+        if rng.random() >= 1 / (1 + math.exp(-(ga - gb) / PREF_TEMPERATURE)):
+            a, b, ga, gb = b, a, gb, ga  # the labeller preferred b
+        prefs.append({"prompt": prompt(post), "chosen": " " + a, "rejected": " " + b,
+                      "post": post, "chosen_gold": ga, "rejected_gold": gb})
+    rl = []
+    for _ in range(sizes["rl"]):
+        post, _facts = fresh_post()
+        rl.append({"prompt": prompt(post), "post": post})
+    return {name: Dataset.from_list(rows) for name, rows in
+            [("sft", sft), ("prefs", prefs), ("rl", rl), ("test", test)]}
+
+
+def world_stats(world):
+    """Headline numbers of the world: what the references, demos and labels are worth."""
+    test, sft, prefs = world["test"], world["sft"], world["prefs"]
+    ref = [gold_score(p, r) for p, r in zip(test["post"], test["reference"])]
+    demo = [gold_score(p, c) for p, c in zip(sft["post"], sft["completion"])]
+    # label-noise ceiling: how often the gold judge itself agrees with the noisy labels (ties 1/2)
+    agree = [1.0 if c > r else 0.5 if c == r else 0.0
+             for c, r in zip(prefs["chosen_gold"], prefs["rejected_gold"])]
+    return {"reference_gold": sum(ref) / len(ref), "demo_gold": sum(demo) / len(demo),
+            "label_ceiling": sum(agree) / len(agree)}
+
+
+def write_jsonl(world, folder):
+    """Write every split to <folder>/<split>.jsonl, for people to look at or reuse as --dataset."""
+    os.makedirs(folder, exist_ok=True)
+    for name, ds in world.items():
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            for row in ds:
+                f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------- tokenizer and tiny model
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def vocabulary():
+    words = set(PEOPLE + ACTIONS + OBJECTS + PLACES + ADJECTIVES)
+    for text in FILLER + MENTIONS + FACT_TEMPLATES + ["yesterday today tonight on monday friday last week"]:
+        words.update(w for w in text.split() if "{" not in w)
+    words.update(["POST:", "TL;DR:", ".", "?", "!", "really", "finally", "i", "think", "at", "the"])
+    return SPECIAL_TOKENS + sorted(words)
+
+
+def build_tokenizer():
+    """A word-level Hugging Face tokenizer for the world; pad and EOS are distinct tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        model_max_length=256, padding_side="right", clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):
+    """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=max(2, hidden_size // 32), num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, use_cache=True,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
