@@ -6,6 +6,7 @@ advantages, KL and clipping stay in sft.py / reward.py / ppo.py / dpo.py / grpo.
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import random
 import resource
@@ -166,6 +167,7 @@ def make_optimizer(model, args):
     params = [p for p in model.parameters() if p.requires_grad]
     kw = dict(lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
     if args.optim == "adamw_8bit":
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # silence its CPU-kernel notice
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, **kw)
@@ -504,6 +506,92 @@ def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, **sam
         texts += decode_completions(tokenizer, c, cm)
         truncated += tr.tolist()
     return texts, truncated
+
+
+# ============================================================================ rewards
+def load_reward_fn(spec):
+    """`file.py:function` -> the function, called as fn(prompts, completions, **columns) -> floats
+    (TRL's reward-function signature); `gold` -> the embedded world's gold judge."""
+    if spec == "gold":
+        return world.gold_reward
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        fail(f"--reward_fn {spec!r}: expected file.py:function (or 'gold').")
+    if not os.path.isfile(path):
+        fail(f"--reward_fn {spec!r}: file {path} does not exist.")
+    module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        fail(f"--reward_fn {spec!r}: {path} defines no function {name!r}.")
+    return getattr(module, name)
+
+
+def call_reward_fn(fn, prompts, completions, columns=None):
+    """Call a reward function on a batch and check what it returns: one finite float per
+    completion. If it raises, find the prompt that makes it raise and stop with both."""
+    columns = columns or {}
+    name = getattr(fn, "__name__", str(fn))
+    try:
+        rewards = fn(prompts, completions, **columns)
+    except Exception as batch_error:  # noqa: BLE001 -- re-raised below with the culprit prompt
+        for i in range(len(prompts)):
+            try:
+                fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            except Exception as e:  # noqa: BLE001
+                fail(f"reward function {name} raised {type(e).__name__}: {e}\n  on prompt {i}: {str(prompts[i])[:300]!r}"
+                     f"\n  completion: {str(completions[i])[:300]!r}")
+        fail(f"reward function {name} raised {type(batch_error).__name__}: {batch_error} on a batch of "
+             f"{len(prompts)} prompts (each prompt alone works); first prompt: {str(prompts[0])[:300]!r}")
+    rewards = list(rewards) if rewards is not None else []
+    if len(rewards) != len(completions):
+        fail(f"reward function {name} returned {len(rewards)} values for {len(completions)} completions.")
+    out = []
+    for i, r in enumerate(rewards):
+        if r is None or not isinstance(r, (int, float)) or r != r or abs(r) == float("inf"):
+            fail(f"reward function {name} returned {r!r} for prompt {i}: {str(prompts[i])[:300]!r}; "
+                 "rewards must be finite numbers.")
+        out.append(float(r))
+    return torch.tensor(out)
+
+
+def load_reward_model(path, args):
+    """A reward model saved by reward.py (AutoModelForSequenceClassification, num_labels=1),
+    frozen, with its own tokenizer (it may differ from the policy's)."""
+    from transformers import AutoModelForSequenceClassification
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        fail(f"no reward model in {path}: run `python reward.py` first, or pass another path.")
+    tokenizer = load_tokenizer(path, args.trust_remote_code)
+    model = load_model(path, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return freeze(model), tokenizer
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Scalar score per sequence, read at the last non-pad token: (B,).
+
+    Works with left padding (prompt) + right padding (completion): the position is found from
+    the mask, never from pad ids, so pad == EOS is safe. Differentiable.
+    """
+    hidden = backbone(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of last real token
+    h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
+    return model.score(h).squeeze(-1).float()  # (B,)
+
+
+@torch.no_grad()
+def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
+    """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU."""
+    scores = []
+    for i in range(0, len(prompts), batch_size):
+        p_ids, p_mask = encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
+        c_ids, c_mask = encode_completions(tokenizer, completions[i:i + batch_size], max_length)
+        ids = torch.cat([p_ids, c_ids], 1).to(model.device)
+        mask = torch.cat([p_mask, c_mask], 1).to(model.device)
+        scores.append(sequence_scores(model, ids, mask).cpu())
+    return torch.cat(scores)
 
 
 # ============================================================================ the embedded world

@@ -269,3 +269,38 @@ def test_tensor_bytes_counts_tied_weights_once(tiny_qwen):
     n_params = sum(p.numel() for p in model.parameters())  # parameters() deduplicates tied ones
     assert common.tensor_bytes(model) >= 4 * n_params
     assert common.tensor_bytes(list(model.parameters())) == 4 * n_params
+
+
+# ------------------------------------------------------------------ rewards
+def test_reward_fn_from_file_gets_extra_columns(tmp_path):
+    f = tmp_path / "rewards.py"
+    f.write_text("def fn(prompts, completions, answer, **kw):\n"
+                 "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+                 "def bad(prompts, completions, **kw):\n"
+                 "    return [1 / len(p.split('=')[1]) for p in prompts]\n")
+    fn = common.load_reward_fn(f"{f}:fn")
+    r = common.call_reward_fn(fn, ["2+2=", "3+3="], [" 4", " 5"], {"answer": ["4", "6"]})
+    assert r.tolist() == [1.0, 0.0]
+    msg = _error(common.call_reward_fn, common.load_reward_fn(f"{f}:bad"), ["1+1=2", "2+2="], ["a", "b"])
+    assert "ZeroDivisionError" in msg and "prompt 1" in msg and "2+2=" in msg
+    assert "defines no function" in _error(common.load_reward_fn, f"{f}:nope")
+    assert "does not exist" in _error(common.load_reward_fn, "missing.py:fn")
+    assert "2 values for 1" in _error(common.call_reward_fn, lambda p, c: [1, 2], ["x"], ["y"])
+    assert "finite" in _error(common.call_reward_fn, lambda p, c: [float("nan")], ["x"], ["y"])
+    assert common.load_reward_fn("gold") is world.gold_reward
+
+
+def test_sequence_scores_read_the_last_real_token():
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = world.build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    prompts, completions = ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost it .\nTL;DR:"], [" alice .", " bob lost phone ."]
+    batch = common.reward_model_scores(rm, tok, prompts, completions)
+    for i in range(2):  # each alone, without any padding
+        ids = tok(prompts[i] + completions[i])["input_ids"] + [tok.eos_token_id]
+        alone = rm(input_ids=torch.tensor([ids])).logits[0, 0]
+        assert batch[i].item() == pytest.approx(alone.item(), abs=1e-5)
