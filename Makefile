@@ -10,8 +10,15 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	@$(PYTHON) -m pip install -q -r requirements.txt
 
+# The whole pipeline on the embedded world (2 CPU cores: see the README for times).
 demo: install
 	$(PYTHON) sft.py
+	$(PYTHON) reward.py
+	$(PYTHON) ppo.py
+	$(PYTHON) dpo.py
+	$(PYTHON) dpo.py --online
+	$(PYTHON) grpo.py
+	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -42,14 +42,20 @@ class Args(TrainArgs):
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
 
 
-def sft_loss(logprobs, completion_mask):
-    """Negative log-likelihood, mean over completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens."""
-    return -(logprobs * completion_mask).sum() / completion_mask.sum().clamp(min=1)
+def sft_loss(logprobs, completion_mask, num_tokens):
+    """Negative log-likelihood, mean over completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
+
+    `num_tokens` is this micro-batch's token count, averaged over ranks under torchrun: the
+    ranks' averaged loss (and gradient) is then the mean over every token of the global batch,
+    exactly what one process with the whole batch computes.
+    """
+    return -(logprobs * completion_mask).sum() / num_tokens.clamp(min=1)
 
 
 def main():
     args = common.parse_args(Args, "sft")
-    common.set_seed(args.seed)
+    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + common.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()
 
     # ---- model and tokenizer
@@ -66,6 +72,7 @@ def main():
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args)
     model.train()
+    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: (prompt, completion) pairs rendered to text
     if args.dataset == common.EMBEDDED:
@@ -77,6 +84,16 @@ def main():
     completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]
     print(f"sft: {len(pairs)} examples from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
+    # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
+    truncated = {"prompts_truncated": common.count_truncated(tokenizer, prompts, args.max_prompt_length),
+                 "completions_truncated": common.count_truncated(tokenizer, completions, args.max_completion_length, True)}
+    if any(truncated.values()):
+        print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
+              f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
+              f"--max_completion_length {args.max_completion_length} are cut (their EOS is not learned)")
+    global_batch = args.batch_size * common.world_size()
+    if len(pairs) < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
+        print(f"sft: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
 
     init = {}
     if args.dataset == common.EMBEDDED and from_scratch:  # the floor the policy must rise from
@@ -86,15 +103,18 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    logger = common.MetricsLogger(args)
+    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = common.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, desc="sft")
+    pbar = common.progress(args, start_step, desc="sft")
+    losses = []  # stays empty when resuming a run that had already finished
     for step in pbar:
         losses, n_tokens = [], 0
         for micro in range(args.gradient_accumulation_steps):
-            idx = common.batch_indices(len(pairs), args.batch_size, args.seed,
-                                       step * args.gradient_accumulation_steps + micro)
+            # this rank's slice of the global micro-batch; the step is the position in the data
+            idx = common.shard(common.batch_indices(len(pairs), global_batch, args.seed,
+                                                    step * args.gradient_accumulation_steps + micro))
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask = common.encode_completions(
                 tokenizer, [completions[i] for i in idx], args.max_completion_length)
@@ -102,10 +122,15 @@ def main():
             completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
 
             logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
-            loss = sft_loss(logprobs, completion_mask)
+            rank_tokens = common.all_reduce(completion_mask.sum().float())  # mean over ranks (see sft_loss)
+            loss = sft_loss(logprobs, completion_mask, rank_tokens)
+            common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             losses.append(loss.detach())
-            n_tokens += int(completion_mask.sum())
+            n_tokens += round(float(rank_tokens) * common.world_size())
+        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
+        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+                                            "optimizer states": optimizer})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
@@ -114,12 +139,14 @@ def main():
             logger.log(step + 1, {"loss": torch.stack(losses).mean(), "grad_norm": grad_norm,
                                   "learning_rate": scheduler.get_last_lr()[0], "num_tokens": n_tokens}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   common.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {"final_loss": float(torch.stack(losses).mean()), **init}
+    summary = {"final_loss": common.all_reduce(torch.stack(losses).mean()).item() if losses else None,
+               **truncated, **init}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))

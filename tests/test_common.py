@@ -304,3 +304,14 @@ def test_sequence_scores_read_the_last_real_token():
         ids = tok(prompts[i] + completions[i])["input_ids"] + [tok.eos_token_id]
         alone = rm(input_ids=torch.tensor([ids])).logits[0, 0]
         assert batch[i].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_load_tokenizer_round_trips_the_world_tokenizer(tmp_path):
+    """A saved world model reloads with its own word-level tokenizer, not the model type's."""
+    tok = world.build_tokenizer()
+    world.build_model(tok, hidden_size=64, num_layers=1).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = common.load_tokenizer(str(tmp_path))
+    text = "POST: alice bought the bike . TL;DR: alice bought bike ."
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.decode(tok(text)["input_ids"]) == text

@@ -1,0 +1,345 @@
+"""dpo.py: Direct Preference Optimization (Rafailov et al. 2023), offline and online.
+
+DPO trains the policy directly on preference pairs (x, y_w, y_l), with no reward model and no
+value network. Its loss (Eq. 7) is a logistic loss on the difference of implicit rewards
+r(x, y) = beta * log pi_theta(y|x) / pi_ref(y|x):
+
+    L = -log sigmoid( beta * [ (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)) ] )
+
+where log pi(y|x) is the *sum* of the completion's per-token log-probs.
+
+Memory (the design document's "over 50% less"): the reference is the initial policy, frozen.
+Offline, its log-probs never change, so with --precompute_ref_logps (on by default) they are
+computed once for the whole dataset, before the first update, and training holds one model.
+Off, a frozen copy of the reference stays loaded and is run on every batch; both give the same
+loss on the same batch (tests/test_dpo.py).
+
+Online (iterative) DPO, --online (Guo et al. 2024; TRL's OnlineDPOTrainer): offline DPO learns
+from someone else's samples and drifts on what the policy itself writes. Each step, the current
+policy samples two completions per prompt, a judge labels the better one (the gold judge on the
+embedded world, --reward_model, or --reward_fn), and DPO trains on these fresh pairs.
+
+Departures from the paper and from TRL:
+- The reference log-probs are computed by the policy itself in eval mode before its first update
+  (it *is* the reference then), so with precompute on no second model is ever loaded: peak
+  memory holds one model's weights, not two for a while. TRL loads a reference and drops it.
+  (TRL names this flag precompute_ref_log_probs.)
+- `ipo` uses per-token mean log-probs, as TRL does (Azar et al. 2023 leave this open); `sigmoid`
+  and `robust` use sums, as in the DPO paper.
+- Online: pairs whose two samples get equal scores carry no preference; they are skipped and
+  counted (`ties`), where TRL keeps them with an arbitrary label. The reference stays loaded
+  (fresh samples need fresh reference log-probs), so online DPO holds two models.
+- With no arguments, it trains the from-scratch policy in runs/sft on the embedded world. The
+  learning-rate defaults suit that tiny model: 1e-5 offline (larger steps on the noisy labels
+  lower its greedy gold score), 3e-4 online; use ~5e-7 for a pretrained model, as in the paper.
+  Online samples at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
+
+Run:
+    python dpo.py                       # offline, embedded preference pairs -> runs/dpo
+    python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
+    python dpo.py --online --reward_model runs/reward
+    python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
+        --learning_rate 5e-7 --batch_size 4 --gradient_accumulation_steps 16
+"""
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import common
+import world
+from common import TrainArgs
+
+
+@dataclass
+class Args(TrainArgs):
+    # model and data
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
+    max_completion_length: int = field(default=256, metadata={"help": "Chosen/rejected completions are cut to their first this-many tokens (EOS included)."})
+    # generation (online only)
+    max_new_tokens: int = field(default=48, metadata={"help": "Online: most tokens sampled per completion."})
+    temperature: float = field(default=0.7, metadata={"help": "Online: sampling temperature of the two completions per prompt (below 1 keeps the pairs near the greedy mode, which is what is evaluated)."})
+    # algorithm
+    beta: float = field(default=0.1, metadata={"help": "KL strength: the implicit reward is beta * log pi/ref (Eq. 7)."})
+    loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid (DPO, Eq. 7) | ipo (Azar et al. 2023) | robust (Chowdhury et al. 2024)."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "Assumed probability that a label is flipped: conservative DPO (sigmoid) or robust DPO; in [0, 0.5)."})
+    precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
+    online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
+    reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
+    reward_fn: str = field(default="", metadata={"help": "Online judge: file.py:function with TRL's signature fn(prompts, completions, **columns) -> floats, or 'gold'."})
+    # optimisation (defaults suit the tiny from-scratch model in runs/sft)
+    max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
+    learning_rate: float = field(default=0.0, metadata={"help": "Peak learning rate; 0: 1e-5 offline, 3e-4 online (tuned for the tiny from-scratch model; ~5e-7 suits a pretrained one)."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name."})
+    warmup_steps: int = field(default=5, metadata={"help": "Linear warm-up steps."})
+    batch_size: int = field(default=32, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch."})
+
+
+# ------------------------------------------------------------------------ the DPO loss
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid",
+             label_smoothing=0.0):
+    """Per-pair losses and implicit rewards; all inputs (B,) sequence log-probs.
+
+    Returns (losses, chosen_rewards, rejected_rewards), each (B,); rewards are detached.
+    """
+    # h = log pi/ref (y_w) - log pi/ref (y_l): the implicit reward margin divided by beta
+    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # (B,)
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        # DPO, Rafailov et al. 2023, Eq. 7; with eps > 0 conservative DPO (cDPO, Mitchell 2023):
+        # the expected loss when a label is flipped with probability eps
+        losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
+    elif loss_type == "robust":
+        # robust DPO, Chowdhury et al. 2024, Eq. 9: an unbiased estimate of the clean-label loss
+        losses = (-(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)
+    elif loss_type == "ipo":
+        # IPO, Azar et al. 2023, Eq. 17: regress the log-ratio margin onto 1 / (2 beta)
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()  # r(x, y_w), Eq. 5 up to log Z(x)
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def pair_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_type):
+    """log pi(y|x) of chosen and rejected in one forward: prompts (B, P), completions (2B, C)
+    with the chosen ones first. Returns (chosen_logps, rejected_logps), each (B,)."""
+    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)  # (2B, P)
+    logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (2B, C)
+    logps = logprobs.sum(1)  # (2B,) sequence log-prob = sum of per-token log-probs
+    if loss_type == "ipo":  # IPO on per-token means (see the module docstring)
+        logps = logps / completion_mask.sum(1).clamp(min=1)
+    return logps.chunk(2)
+
+
+def encode_pairs(tokenizer, prompts, chosen, rejected, args):
+    """Token ids of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
+    prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
+    completion_ids, completion_mask = common.encode_completions(
+        tokenizer, chosen + rejected, args.max_completion_length)  # (2B, C): chosen first
+    dev = common.device()
+    return prompt_ids.to(dev), prompt_mask.to(dev), completion_ids.to(dev), completion_mask.to(dev)
+
+
+@torch.no_grad()
+def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
+    """One pass of the (still untrained, hence reference) model over the dataset: (N, 2) of
+    (ref_chosen_logps, ref_rejected_logps), kept on the CPU."""
+    was_training = model.training
+    model.eval()  # the reference runs without dropout, as a frozen copy would
+    out = []
+    for i in range(0, len(prompts), args.eval_batch_size):
+        s = slice(i, i + args.eval_batch_size)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        out.append(torch.stack(pair_logps(model, *batch, args.loss_type), 1).cpu())  # (b, 2)
+    model.train(was_training)
+    return torch.cat(out)
+
+
+# ------------------------------------------------------------------------ online: sample and judge
+def make_judge(args, world_data):
+    """The online judge: fn(prompts, completions, columns) -> (N,) scores of the completion texts."""
+    if args.reward_model:
+        rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
+
+        def judge(prompts, completions, columns):
+            texts = [common.render_prompt(rm_tokenizer, p) for p in prompts]
+            completions = [common.render_completion(rm_tokenizer, p, c) for p, c in zip(prompts, completions)]
+            return common.reward_model_scores(rm, rm_tokenizer, texts, completions, args.eval_batch_size)
+
+        return judge, rm
+    if not args.reward_fn and not world_data:
+        common.fail("--online on your own --dataset needs a judge: pass --reward_model PATH (from reward.py) "
+                    "or --reward_fn file.py:function.")
+    fn = common.load_reward_fn(args.reward_fn or "gold")
+
+    def judge(prompts, completions, columns):
+        return common.call_reward_fn(fn, prompts, completions, columns)
+
+    return judge, None
+
+
+def sample_pairs(model, tokenizer, prompts, columns, judge, args):
+    """Two samples per prompt from the current policy, labelled by the judge.
+
+    Returns the batch (prompt ids, completion ids with chosen first, masks) of the non-tied
+    prompts, or None when every pair tied, plus the judge's metrics.
+    """
+    texts = [common.render_prompt(tokenizer, p) for p in prompts]
+    prompt_ids, prompt_mask = common.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
+    prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
+    # rows 0..B-1 are the first sample of each prompt, rows B..2B-1 the second
+    completion_ids, completion_mask, truncated = common.generate(
+        model, tokenizer, prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1), args.max_new_tokens,
+        temperature=args.temperature)  # (2B, C)
+    completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
+    if not isinstance(prompts[0], str):  # conversational data: the judge sees assistant messages
+        completions = [[{"role": "assistant", "content": c.strip()}] for c in completions]
+    scores = judge(prompts * 2, completions, {k: v * 2 for k, v in columns.items()}).view(2, -1)  # (2, B)
+    # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
+    keep = scores[0] != scores[1]  # (B,)
+    first_wins = scores[0] > scores[1]
+    B = len(prompts)
+    chosen = torch.where(first_wins, torch.arange(B), torch.arange(B) + B)[keep]  # row of y_w
+    rejected = torch.where(first_wins, torch.arange(B) + B, torch.arange(B))[keep]  # row of y_l
+    metrics = {"objective/scores": scores.mean(),
+               "objective/scores_margin": (scores.max(0).values - scores.min(0).values)[keep].mean() if keep.any() else 0.0,
+               "val/contain_eos_token": 1 - truncated.float().mean(), "ties": int((~keep).sum())}
+    if not keep.any():
+        return None, metrics
+    pick = torch.cat([chosen, rejected]).to(completion_ids.device)  # (2B',): chosen first
+    keep = keep.to(prompt_ids.device)
+    return (prompt_ids[keep], prompt_mask[keep], completion_ids[pick], completion_mask[pick]), metrics
+
+
+# ------------------------------------------------------------------------ main
+def main():
+    args = common.parse_args(Args, "dpo")
+    if args.online and not any(a.startswith("--output_dir") for a in sys.argv):
+        args.output_dir = "runs/dpo_online"
+    # online pairs are exact (the judge, not noisy labels) and on-policy, so they take a larger step
+    args.learning_rate = args.learning_rate or (3e-4 if args.online else 1e-5)
+    common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
+    if not 0 <= args.label_smoothing < 0.5:
+        common.fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
+    if args.loss_type == "ipo" and args.label_smoothing:
+        common.fail("--label_smoothing applies to --loss_type sigmoid or robust, not ipo.")
+    if args.beta <= 0:
+        common.fail(f"--beta must be positive, got {args.beta}.")
+    if (args.reward_model or args.reward_fn) and not args.online:
+        common.fail("--reward_model and --reward_fn label online samples; add --online.")
+    if args.reward_model and args.reward_fn:
+        common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
+    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + common.rank())  # rank-offset seeds: each rank samples its own completions
+    device = common.device()
+    embedded = args.dataset == common.EMBEDDED
+
+    # ---- model and tokenizer (the policy starts as the reference)
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    model = common.load_model(args.model, args)
+    model.train()
+    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
+
+    # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
+    if embedded:
+        ds = common.embedded_world(args.seed)["rl" if args.online else "prefs"]
+    else:
+        ds = common.load_data(args.dataset, args.dataset_split)
+    if args.online:
+        common.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
+        common.check_text(ds, ["prompt"], args.dataset)
+        prompts = list(ds["prompt"])
+        columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
+        n_examples = len(prompts)
+    else:
+        triples = common.preference_triples(ds, args.dataset)
+        prompts = [common.render_prompt(tokenizer, p) for p, _, _ in triples]
+        chosen = [common.render_completion(tokenizer, p, c) for p, c, _ in triples]
+        rejected = [common.render_completion(tokenizer, p, r) for p, _, r in triples]
+        n_examples = len(triples)
+    print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
+          f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"loss {args.loss_type}, beta {args.beta}, device {device}")
+
+    # ---- the reference: precomputed log-probs (offline, one model) or a frozen copy (two models)
+    ref_model, ref_cache, judge_model = None, None, None
+    if not args.online and args.precompute_ref_logps:
+        ref_cache = precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args)  # (N, 2)
+    else:
+        ref_model = common.freeze(common.load_model(args.model, args))
+    if args.online:
+        judge, judge_model = make_judge(args, embedded)
+    init = {}
+    if embedded:
+        init["init_gold_score"] = common.gold_eval(model, tokenizer, args)["gold_score"]
+        print(f"dpo: gold score before training {init['init_gold_score']:.3f}")
+
+    # ---- optimizer
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args)
+    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = common.MetricsLogger(args, start_step)
+    # what training holds: one model with precompute on, two (policy + reference) otherwise
+    memory = {"models_alive": 1 + (ref_model is not None), "model_bytes": common.tensor_bytes(model)
+              + (common.tensor_bytes(ref_model) if ref_model is not None else 0),
+              "judge_bytes": common.tensor_bytes(judge_model) if judge_model is not None else 0}
+    print(f"dpo: training holds {memory['models_alive']} model(s), {memory['model_bytes'] / 2**20:.1f} MiB of weights"
+          + (f" (+ {memory['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
+
+    # ---- loop
+    pbar = common.progress(args, start_step, desc="dpo")
+    for step in pbar:
+        rows = []
+        for micro in range(args.gradient_accumulation_steps):
+            # this rank's slice of the global micro-batch; the step is the position in the data
+            idx = common.shard(common.batch_indices(n_examples, args.batch_size * common.world_size(), args.seed,
+                                                    step * args.gradient_accumulation_steps + micro))
+            # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online)
+            stats = {}
+            if args.online:
+                batch, stats = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
+                                            {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
+                if batch is None:  # every pair tied: nothing to learn from this micro-batch
+                    rows.append(stats)
+                    continue
+            else:
+                batch = encode_pairs(tokenizer, [prompts[i] for i in idx], [chosen[i] for i in idx],
+                                     [rejected[i] for i in idx], args)
+            # 2. reference log-probs: from the cache, or a forward of the frozen reference
+            if ref_cache is not None:
+                ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)
+            else:
+                with torch.no_grad():
+                    ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, *batch, args.loss_type)
+            # 3. policy log-probs and the DPO loss (Eq. 7), mean over pairs
+            chosen_logps, rejected_logps = pair_logps(model, *batch, args.loss_type)  # (B,), (B,)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                args.beta, args.loss_type, args.label_smoothing)
+            loss = losses.mean()
+            common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
+            (loss / args.gradient_accumulation_steps).backward()
+            rows.append({"loss": loss.detach(), "rewards/chosen": chosen_rewards.mean(),
+                         "rewards/rejected": rejected_rewards.mean(),
+                         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+                         "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                         "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
+                         **stats})
+        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
+        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+                                            "optimizer states": optimizer, "reference model": ref_model,
+                                            "reward model": judge_model})
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        scheduler.step()
+
+        # ---- log and save
+        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
+            trained = [r for r in rows if "loss" in r]
+            metrics = common.mean_metrics(trained) if trained else {}
+            if args.online:  # judge metrics also count micro-batches that were all ties
+                metrics.update(common.mean_metrics([{k: r[k] for k in stats} for r in rows]))
+                metrics["ties"] = int(common.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
+            logger.log(step + 1, {**metrics, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0]}, pbar)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   common.training_state(step + 1, optimizer, scheduler))
+
+    # ---- final save and evaluation
+    logger.close()
+    common.save_final(model, tokenizer, args)
+    summary = {**init, **memory, "peak_memory_bytes": common.peak_memory_bytes()}
+    if embedded:
+        ev = common.gold_eval(model, tokenizer, args)
+        summary.update(ev)
+        print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
+              f"e.g. {ev['samples'][0]!r}")
+    common.write_json(f"{args.output_dir}/summary.json", summary)
+    print(f"dpo: saved to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""ppo.py: classical RLHF with PPO and four models (Stiennon et al. 2020; Ouyang et al. 2022),
+with dual-clip PPO (Ye et al. 2020) for stability on large negative advantages.
+
+The four models:
+    pi_theta  the actor (trained), from the SFT policy (--model);
+    pi_ref    the frozen reference, the same SFT policy;
+    V_phi     the critic (trained), initialised from the reward model, as in Huang et al. 2024,
+              "The N+ implementation details of RLHF with PPO"; from the policy with --reward_fn;
+    R_psi     the frozen reward model (--reward_model, trained by reward.py), or a verifier
+              function (--reward_fn file.py:function) in its place.
+
+One step (= one rollout batch):
+    1. rollout    sample y ~ pi_theta(.|x), truncated at its first EOS;
+    2. rewards    r_t = -kl_coef * (log pi_theta(y_t) - log pi_ref(y_t)) per token, plus the
+                  score R_psi(x, y) on the last token (Stiennon et al. 2020, Eq. 2);
+    3. advantages GAE(gamma, lam) (Schulman et al. 2016, Eq. 16), whitened over the batch;
+    4. update     --num_ppo_epochs passes over --num_mini_batches minibatches of the dual-clip
+                  surrogate (Schulman et al. 2017, Eq. 7; Ye et al. 2020, Eq. 5) plus the clipped
+                  value loss, weighted by --vf_coef.
+
+Departures from the papers and from TRL's (removed) PPOTrainer:
+- The score is centred: R_psi(x, y) - reward_mean, with reward_mean stored by reward.py in the
+  reward model's config (the mean score on chosen responses), so the critic starts near 0.
+- A completion without EOS gets the fixed score -missing_eos_penalty (as in Huang et al. 2024;
+  TRL instead subtracts the penalty from the model's score). The reward model's score of a
+  truncated text is meaningless: it was trained on texts that end with EOS.
+- Dropout is off in every forward pass (the actor and critic run in eval mode while training),
+  so log-probs at rollout and at the first update match exactly: ratio == 1.
+- Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
+- The reward model must share the policy's tokenizer (true for reward.py's output): it scores
+  the rollout's token ids directly, and the critic reads the same ids.
+- --offload_frozen keeps pi_ref and R_psi on the CPU and moves each to the GPU only for its
+  forward pass: it saves their weights' GPU memory (two of the four models) for two host<->device
+  copies of each per step (about 2 * weight_bytes / PCIe bandwidth, e.g. ~0.25 s per step for two
+  1.5B bf16 models at 25 GB/s). On a CPU-only machine it changes nothing.
+
+Run:
+    python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
+    python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl \\
+        --reward_fn my_rewards.py:score --learning_rate 1e-6 --max_completion_length 256
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import common
+from common import TrainArgs
+
+
+@dataclass
+class Args(TrainArgs):
+    # model and data
+    reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
+    reward_fn: str = field(default="", metadata={"help": "file.py:function (or 'gold') used instead of the reward model: fn(prompts, completions, **columns) -> list[float]."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
+    # generation
+    max_completion_length: int = field(default=32, metadata={"help": "Tokens sampled per completion (EOS included)."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL's default); log-probs and the KL are computed at the same temperature."})
+    missing_eos_penalty: float = field(default=1.0, metadata={"help": "A completion with no EOS gets the score -missing_eos_penalty."})
+    # algorithm
+    kl_coef: float = field(default=0.1, metadata={"help": "Per-token KL penalty in the reward: r_t -= kl_coef * (log pi - log pi_ref)."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Scale the per-token rewards to unit variance over the batch before GAE."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip epsilon."})
+    dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip: the surrogate is bounded below by c * A where A < 0 (must be > 1; 0 disables)."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip: new values stay within this of the rollout's."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
+    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
+    # optimisation (defaults suit the tiny embedded-world model; use ~1e-6 for a pretrained one)
+    max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of the policy and the critic."})
+    batch_size: int = field(default=64, metadata={"help": "Prompts per micro-batch (generation and forward passes)."})
+    # memory
+    offload_frozen: bool = field(default=False, metadata={"help": "Keep the reference and reward model on the CPU between their forward passes."})
+
+
+# ============================================================================ the algorithm
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True):
+    """(x - mean) / std over the masked entries; without shift_mean the mean is added back."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def per_token_rewards(scores, logprobs, ref_logprobs, completion_mask, kl_coef):
+    """Stiennon et al. 2020, Eq. 2, spread over tokens (Ziegler et al. 2019):
+    r_t = -kl_coef * (log pi(y_t) - log pi_ref(y_t)), plus the score R(x, y) on the last token.
+
+    Returns the rewards (B, C), the per-token KL (B, C) and the non-score part (B, C)."""
+    kl = (logprobs - ref_logprobs) * completion_mask  # (B, C), the k1 estimator of KL(pi || pi_ref)
+    non_score_reward = -kl_coef * kl
+    last = completion_mask.sum(1).long() - 1  # (B,) index of EOS (or of the last sampled token)
+    rewards = non_score_reward.clone()
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl, non_score_reward
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, Eqs. 11-16), vectorised:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t          (V = 0 after the last token)
+        A_t     = sum_{l>=0} (gamma * lam)^l * delta_{t+l}
+        R_t     = A_t + V_t                            (the critic's target)
+
+    The sum is one matmul with the (C, C) upper-triangular matrix of (gamma * lam)^(j - t);
+    C is the completion length, so this costs C^2 floats, not a Python loop over tokens."""
+    values = values * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # (B, C)
+    deltas = (rewards + gamma * next_values - values) * mask
+    C = rewards.shape[1]
+    steps = torch.arange(C, device=rewards.device)
+    lag = steps[:, None] - steps[None, :]  # (C, C): lag[j, t] = j - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0).to(rewards.dtype), 0.0)
+    advantages = (deltas @ discount) * mask  # (B, C): A_t = sum_j delta_j (gamma lam)^(j-t), j >= t
+    return advantages, advantages + values
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, dual_clip_c):
+    """Dual-clip PPO surrogate, as a loss to minimise (Schulman et al. 2017, Eq. 7; Ye et al. 2020, Eq. 5):
+
+        L = -E_t[ max( min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t), c A_t ) ]   where A_t < 0
+        L = -E_t[ min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t) ]                  where A_t >= 0
+
+    with r_t = pi_theta(y_t) / pi_old(y_t). The dual clip bounds how much a token with a large
+    ratio and a negative advantage can push: its loss is at most -c * A_t."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, C)
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages)
+    objective = surrogate
+    dual_clipped = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip_c:
+        dual_clipped = (advantages < 0) & (surrogate < dual_clip_c * advantages)
+        objective = torch.where(advantages < 0, torch.max(surrogate, dual_clip_c * advantages), surrogate)
+    loss = -masked_mean(objective, mask)
+    with torch.no_grad():
+        stats = {
+            "pg_loss": loss.detach(),
+            "clipfrac": masked_mean((ratio * advantages > surrogate).float(), mask),  # the clip bound binds
+            "dual_clip_frac": masked_mean(dual_clipped.float(), mask),
+            "approx_kl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),  # TRL's estimator
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value):
+    """Clipped value loss (Schulman et al. 2017 baselines; Huang et al. 2024, detail 8):
+    0.5 * E[max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)]."""
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    losses, clipped_losses = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(losses, clipped_losses), mask)
+    return loss, {"vf_loss": loss.detach(), "vf_clipfrac": masked_mean((clipped_losses > losses).float(), mask)}
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var(R - V) / Var(R) over real tokens: 1 is a perfect critic, 0 a constant one."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return 1 - var_residual / var_returns.clamp(min=1e-8)
+
+
+# ============================================================================ forward passes
+def token_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """V_phi(s_t) for each completion token: the critic's scalar head on every position, read at
+    the state *before* each completion token (the same positions as its log-prob): (B, C)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    hidden = common.backbone(critic)(input_ids=ids, attention_mask=mask, position_ids=common.position_ids(mask),
+                                     use_cache=False).last_hidden_state  # (B, P+C, H)
+    C = completion_ids.shape[1]
+    return critic.score(hidden[:, -C - 1:-1]).squeeze(-1).float() * completion_mask  # (B, C)
+
+
+def policy_and_values(policy, critic, mb, temperature):
+    """Log-probs, entropies and values of one micro-batch; the same call at rollout (under
+    no_grad) and in the update, so the first update sees ratio == 1."""
+    logprobs, entropy = common.completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                   mb["completion_mask"], temperature, with_entropy=True)  # (B, C)
+    values = token_values(critic, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    return logprobs, entropy, values
+
+
+def pad_right(t, width, value=0):
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def slice_batch(batch, idx):
+    """Rows `idx` of every (N, ...) tensor in the batch, trimmed to their own longest completion."""
+    mb = {k: v[idx] for k, v in batch.items()}
+    width = max(int(mb["completion_mask"].sum(1).max()), 1)
+    return {k: (v[:, :width] if v.dim() == 2 and k not in ("prompt_ids", "prompt_mask") else v) for k, v in mb.items()}
+
+
+def on_device(model, device, offload):
+    """Move a frozen model to `device` for its forward pass (a no-op unless --offload_frozen)."""
+    return model.to(device) if offload else model
+
+
+# ============================================================================ main
+def main():
+    from transformers import AutoModelForSequenceClassification
+
+    args = common.parse_args(Args, "ppo")
+    rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.dual_clip_c and args.dual_clip_c <= 1:
+        common.fail(f"--dual_clip_c must be > 1 (or 0 to disable), got {args.dual_clip_c}.")
+    for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
+        if getattr(args, name) < 1:
+            common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    common.set_seed(args.seed)
+    device = common.device()
+    offload_device = torch.device("cpu") if args.offload_frozen else device
+
+    # ---- data: prompts, plus any other columns for --reward_fn
+    if args.dataset == common.EMBEDDED:
+        ds = common.embedded_world(args.seed)["rl"]
+    else:
+        ds = common.load_data(args.dataset, args.dataset_split)
+    common.require_columns(ds, ["prompt"], args.dataset, "PPO needs a 'prompt' column.")
+    common.check_text(ds, ["prompt"], args.dataset)
+    raw_prompts = ds["prompt"]
+    columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
+    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+
+    # ---- models: actor, reference, critic, reward
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    policy = common.load_model(args.model, args)
+    ref_policy = common.freeze(common.load_model(args.model, args)).to(offload_device)
+    if args.reward_fn:
+        reward_model, reward_mean, critic_source = None, 0.0, args.model
+    else:
+        reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+            common.fail(f"the reward model {args.reward_model} has another tokenizer than {args.model}; ppo.py scores "
+                        "token ids directly, so train the reward model from the same policy (python reward.py --model ...).")
+        reward_model = reward_model.to(offload_device)
+        reward_mean = float(getattr(reward_model.config, "reward_mean", 0.0))
+        critic_source = args.reward_model
+    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
+    critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
+    prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
+          f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
+          f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
+
+    # ---- optimizer: one AdamW over actor and critic
+    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})
+    optimizer = common.make_optimizer(both, args)
+    updates_per_step = args.num_ppo_epochs * args.num_mini_batches
+    scheduler = common.make_scheduler(optimizer, dataclasses.replace(
+        args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
+    logger = common.MetricsLogger(args)
+
+    # ---- loop
+    pbar = common.progress(args, desc="ppo")
+    for step in pbar:
+        t0 = time.time()
+        # 1. rollout: sample, truncate at the first EOS (common.generate), in micro-batches
+        idx = common.batch_indices(len(prompts), rollout_batch, args.seed, step)
+        prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
+        chunks = []
+        for s in range(0, rollout_batch, args.batch_size):
+            c_ids, c_mask, truncated = common.generate(
+                policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
+                args.max_completion_length, temperature=args.temperature)
+            chunks.append((c_ids, c_mask, truncated))
+        width = max(c[0].shape[1] for c in chunks)
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                 "completion_ids": torch.cat([pad_right(c[0], width, tokenizer.pad_token_id) for c in chunks]),
+                 "completion_mask": torch.cat([pad_right(c[1], width) for c in chunks])}  # (N, C)
+        truncated = torch.cat([c[2] for c in chunks])  # (N,)
+        mask = batch["completion_mask"].float()
+
+        # 2. score and per-token rewards, all under no_grad
+        with torch.no_grad():
+            old_logprobs, values, ref_logprobs, scores = [], [], [], []
+            ref_policy = on_device(ref_policy, device, args.offload_frozen)
+            for s in range(0, rollout_batch, args.batch_size):
+                mb = {k: v[s:s + args.batch_size] for k, v in batch.items()}
+                lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
+                old_logprobs.append(lp)
+                values.append(v)
+                ref_logprobs.append(common.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                               mb["completion_mask"], args.temperature))
+            ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
+            old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
+            if args.reward_fn:  # a verifier on texts, with the dataset's other columns
+                texts = common.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
+                raw = [raw_prompts[i] for i in idx]
+                completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(raw, texts)]
+                scores = common.call_reward_fn(reward_fn, raw, completions, {k: [v[i] for i in idx] for k, v in columns.items()}).to(device)
+            else:  # R_psi at the last real token, centred by the mean score on chosen responses
+                reward_model = on_device(reward_model, device, args.offload_frozen)
+                for s in range(0, rollout_batch, args.batch_size):
+                    ids = torch.cat([batch["prompt_ids"][s:s + args.batch_size], batch["completion_ids"][s:s + args.batch_size]], 1)
+                    m = torch.cat([batch["prompt_mask"][s:s + args.batch_size], batch["completion_mask"][s:s + args.batch_size]], 1)
+                    scores.append(common.sequence_scores(reward_model, ids, m))
+                reward_model = on_device(reward_model, offload_device, args.offload_frozen)
+                scores = torch.cat(scores) - reward_mean  # (N,)
+            scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
+            rewards, kl, non_score_reward = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+
+            # 3. advantages: GAE, then whitened over the batch
+            advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)  # (N, C), (N, C)
+            advantages = masked_whiten(advantages, mask) * mask
+        batch.update(old_logprobs=old_logprobs, values=values, advantages=advantages, returns=returns)
+
+        # 4. update: epochs over shuffled minibatches, micro-batches accumulate into one step
+        stats = []
+        mb_size = args.batch_size * args.gradient_accumulation_steps
+        for epoch in range(args.num_ppo_epochs):
+            perm = torch.randperm(rollout_batch, generator=torch.Generator().manual_seed(
+                (args.seed * 100_003 + step) * 101 + epoch)).to(device)
+            for start in range(0, rollout_batch, mb_size):
+                for micro in range(start, start + mb_size, args.batch_size):
+                    mb = slice_batch(batch, perm[micro:micro + args.batch_size])
+                    mb_mask = mb["completion_mask"].float()
+                    logprobs, entropy, mb_values = policy_and_values(policy, critic, mb, args.temperature)
+                    pg_loss, pg_stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb_mask,
+                                                    args.cliprange, args.dual_clip_c)
+                    vf_loss, vf_stats = value_loss(mb_values, mb["values"], mb["returns"], mb_mask, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    (loss / args.gradient_accumulation_steps).backward()
+                    stats.append({**pg_stats, **vf_stats, "loss": loss.detach(), "entropy": masked_mean(entropy.detach(), mb_mask)})
+                # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
+                common.log_memory(args.output_dir, {
+                    "policy weights": policy, "gradients": [p.grad for p in policy.parameters()],
+                    "optimizer states": (optimizer, policy), "reference model": ref_policy,
+                    "critic weights": critic, "critic gradients": [p.grad for p in critic.parameters()],
+                    "critic optimizer states": (optimizer, critic), "reward model": reward_model})
+                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+                scheduler.step()
+
+        # ---- log and save
+        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
+            lengths = mask.sum(1)
+            logger.log(step + 1, {
+                "reward": scores.mean(), "reward_std": scores.std(),
+                "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+                "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
+                "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
+                "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
+                "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
+                "episode": (step + 1) * rollout_batch, "step_time": time.time() - t0}, pbar)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+        del batch, advantages, returns, rewards
+
+    # ---- final save and evaluation
+    logger.close()
+    common.save_final(policy, tokenizer, args)
+    summary = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean()),
+               "memory_bytes": {"policy": common.tensor_bytes(policy), "ref_policy": common.tensor_bytes(ref_policy),
+                                "critic": common.tensor_bytes(critic),
+                                "reward_model": common.tensor_bytes(reward_model) if reward_model is not None else 0,
+                                "optimizer": common.optimizer_state_bytes(optimizer), "peak": common.peak_memory_bytes()}}
+    if args.dataset == common.EMBEDDED:
+        summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
+        summary.update(common.gold_eval(policy, tokenizer, args))
+        print(f"ppo: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
+              f"e.g. {summary['samples'][0]!r}")
+    common.write_json(f"{args.output_dir}/summary.json", summary)
+    print(f"ppo: saved to {args.output_dir}")
+
+
+@torch.no_grad()
+def test_kl(policy, ref_policy, tokenizer, args, device, offload_device):
+    """KL(pi_theta || pi_ref) per completion on the test prompts: the mean over samples
+    y ~ pi_theta of sum_t log pi_theta(y_t) - log pi_ref(y_t) (unbiased, k1)."""
+    test = common.embedded_world()["test"]
+    prompts = [common.render_prompt(tokenizer, p) for p in test["prompt"]]
+    ref_policy = on_device(ref_policy, device, args.offload_frozen)
+    total = []
+    for s in range(0, len(prompts), args.eval_batch_size):
+        p_ids, p_mask = common.encode_prompts(tokenizer, prompts[s:s + args.eval_batch_size], args.max_prompt_length)
+        p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+        c_ids, c_mask, _ = common.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, temperature=args.temperature)
+        lp = common.completion_logprobs(policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
+        ref_lp = common.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
+        total.append(((lp - ref_lp) * c_mask).sum(1).cpu())
+    on_device(ref_policy, offload_device, args.offload_frozen)
+    return {"test_kl": float(torch.cat(total).mean())}
+
+
+if __name__ == "__main__":
+    main()

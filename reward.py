@@ -1,0 +1,203 @@
+"""reward.py: a reward model from preference pairs, the second stage of RLHF
+(Stiennon et al. 2020, Sec. 3.5; Ouyang et al. 2022, Sec. 3.5).
+
+R_psi(x, y) is the policy's transformer with a scalar head (`AutoModelForSequenceClassification`,
+num_labels=1), read at the last non-pad token. It is trained with the Bradley-Terry loss
+
+    loss = -log sigmoid(R_psi(x, y_w) - R_psi(x, y_l))            (Stiennon et al. 2020, Eq. 1)
+
+on pairs where the labeller preferred y_w (chosen) over y_l (rejected).
+
+Departures from the paper and from TRL's RewardTrainer:
+- No reward normalisation inside the model (Stiennon et al. add a bias so references score 0).
+  Instead the mean score on the chosen responses of the training pairs is stored as
+  `reward_mean` in summary.json and in the saved config, and ppo.py / grpo.py subtract it.
+- A held-out part of the pairs (--test_size) gives the test accuracy; on the embedded world,
+  summary.json also gives the label-noise ceiling (how often the gold judge itself agrees with
+  the noisy labels), which no reward model can beat on average, and the test accuracy against
+  the gold judge's own preference (`test_gold_accuracy`), which it can.
+- One pass of chosen + rejected through the model per step (a batch of 2B sequences that share
+  their prompts), not two.
+
+Run:
+    python reward.py                                # runs/sft + embedded prefs -> runs/reward
+    python reward.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/ultrafeedback_binarized \\
+        --learning_rate 1e-5 --max_steps 2000
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import common
+import world
+from common import TrainArgs
+
+
+@dataclass
+class Args(TrainArgs):
+    # model and data
+    eval_dataset: str = field(default="", metadata={"help": "Held-out pairs: a file, or a Hub name (its 'test' split); empty: hold out --test_size of --dataset."})
+    test_size: float = field(default=0.1, metadata={"help": "Fraction of the pairs held out for the test accuracy when --eval_dataset is empty."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
+    max_completion_length: int = field(default=256, metadata={"help": "Responses are cut to their first this-many tokens (EOS included)."})
+    # optimisation (defaults suit the tiny embedded-world model; use ~1e-5 for a pretrained one)
+    max_steps: int = field(default=400, metadata={"help": "Optimizer steps; cycles through the pairs as needed."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    warmup_steps: int = field(default=10, metadata={"help": "Linear warm-up steps."})
+    batch_size: int = field(default=32, metadata={"help": "Preference pairs per micro-batch (2x sequences)."})
+    # logging
+    eval_steps: int = field(default=100, metadata={"help": "Log test loss/accuracy/margin every this many steps (0: at the end only)."})
+
+
+def bradley_terry_loss(chosen_rewards, rejected_rewards):
+    """-log sigmoid(r_w - r_l), mean over pairs (Stiennon et al. 2020, Eq. 1), with its metrics."""
+    margin = chosen_rewards - rejected_rewards  # (B,)
+    loss = -F.logsigmoid(margin).mean()  # logsigmoid, not log(sigmoid): no underflow at large margins
+    return loss, {"accuracy": (margin > 0).float().mean(), "margin": margin.mean().detach()}
+
+
+def pair_scores(model, tokenizer, triples, args):
+    """R_psi on chosen and rejected of a list of (prompt, chosen, rejected) texts: two (B,) tensors.
+
+    Both halves go through the model as one batch of 2B sequences (prompt left-padded,
+    response right-padded); the score is read at the last real token (common.sequence_scores).
+    """
+    prompts = [p for p, _, _ in triples]
+    responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
+    p_ids, p_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
+    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length)  # (2B, C)
+    ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
+    mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
+    scores = common.sequence_scores(model, ids, mask)  # (2B,)
+    return scores[:len(triples)], scores[len(triples):]
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, triples, args):
+    """Loss, accuracy and margin over a list of triples, plus all scores (for the gold check)."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for i in range(0, len(triples), args.eval_batch_size):
+        c, r = pair_scores(model, tokenizer, triples[i:i + args.eval_batch_size], args)
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    model.train(was_training)
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+    loss, m = bradley_terry_loss(chosen, rejected)
+    return {"loss": float(loss), "accuracy": float(m["accuracy"]), "margin": float(m["margin"])}, chosen, rejected
+
+
+def render(tokenizer, triples):
+    return [(common.render_prompt(tokenizer, p), common.render_completion(tokenizer, p, c),
+             common.render_completion(tokenizer, p, r)) for p, c, r in triples]
+
+
+def main():
+    from transformers import AutoModelForSequenceClassification
+
+    args = common.parse_args(Args, "reward")
+    if args.eval_steps < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
+        common.fail("--eval_steps must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
+    common.set_seed(args.seed)
+    device = common.device()
+
+    # ---- data: (prompt, chosen, rejected), a held-out test part
+    if args.dataset == common.EMBEDDED:
+        ds = common.embedded_world(args.seed)["prefs"]
+    else:
+        ds = common.load_data(args.dataset, args.dataset_split)
+    if args.eval_dataset:
+        train_ds, test_ds = ds, common.load_data(args.eval_dataset, "test")
+        test_triples = common.preference_triples(test_ds, args.eval_dataset)
+    else:
+        common.require_columns(ds, ["chosen", "rejected"], args.dataset, "Preference data needs prompt + chosen + rejected.")
+        n_test = max(1, int(len(ds) * args.test_size))
+        if len(ds) - n_test < 1:
+            common.fail(f"{common.dataset_name(args.dataset)} has {len(ds)} pairs: too few to hold out {args.test_size:.0%}.")
+        perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        train_ds, test_ds = ds.select(perm[n_test:]), ds.select(perm[:n_test])
+        test_triples = common.preference_triples(test_ds, args.dataset)
+    train_triples = common.preference_triples(train_ds, args.dataset)
+
+    # ---- model: the policy's trunk with a fresh scalar head
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
+    train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
+    print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
+
+    # ---- optimizer
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args)
+    logger = common.MetricsLogger(args)
+
+    # ---- loop
+    pbar = common.progress(args, desc="reward")
+    for step in pbar:
+        rows = []
+        for micro in range(args.gradient_accumulation_steps):
+            idx = common.batch_indices(len(train_triples), args.batch_size, args.seed,
+                                       step * args.gradient_accumulation_steps + micro)
+            chosen_rewards, rejected_rewards = pair_scores(model, tokenizer, [train_triples[i] for i in idx], args)  # (B,), (B,)
+            loss, m = bradley_terry_loss(chosen_rewards, rejected_rewards)
+            (loss / args.gradient_accumulation_steps).backward()
+            rows.append({"loss": loss.detach(), **m, "mean_reward": torch.cat([chosen_rewards, rejected_rewards]).mean().detach()})
+        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
+        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+                                            "optimizer states": optimizer})
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        scheduler.step()
+
+        # ---- log and save
+        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
+            metrics = {**common.mean_metrics(rows), "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
+            if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+                ev, _, _ = evaluate(model, tokenizer, test_triples, args)
+                metrics.update({f"eval_{k}": v for k, v in ev.items()})
+            logger.log(step + 1, metrics, pbar)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+
+    # ---- final evaluation: test and (an equal-sized slice of) train accuracy
+    test, test_chosen, test_rejected = evaluate(model, tokenizer, test_triples, args)
+    n_slice = min(len(train_triples), max(len(test_triples), 256))
+    train_slice = [train_triples[i] for i in common.batch_indices(len(train_triples), n_slice, args.seed + 1, 0)]
+    train, train_chosen, _ = evaluate(model, tokenizer, train_slice, args)
+    logger.log(args.max_steps, {f"eval_{k}": v for k, v in test.items()})
+    logger.close()
+    # the centre of the reward scale: mean score on (a slice of) the training chosen responses
+    reward_mean = float(train_chosen.mean())
+    summary = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "test_margin": test["margin"],
+               "train_loss": train["loss"], "train_accuracy": train["accuracy"], "train_margin": train["margin"],
+               "reward_mean": reward_mean, "reward_std": float(train_chosen.std())}
+    if args.dataset == common.EMBEDDED and not args.eval_dataset:
+        # the gold judge's own preference on the test pairs (ties count 1/2): what the noisy labels estimate
+        gold = torch.tensor(test_ds["chosen_gold"]) - torch.tensor(test_ds["rejected_gold"])
+        ours = test_chosen - test_rejected
+        agree = torch.where(gold == 0, 0.5, ((gold > 0) == (ours > 0)).float())
+        # the label-noise ceiling on these test pairs: how often the gold judge agrees with their labels
+        ceiling = torch.where(gold == 0, 0.5, (gold > 0).float())
+        summary.update(test_gold_accuracy=float(agree.mean()), test_label_ceiling=float(ceiling.mean()),
+                       label_ceiling=world.world_stats(common.embedded_world(args.seed))["label_ceiling"])
+    print(f"reward: test accuracy {test['accuracy']:.3f} (train {train['accuracy']:.3f}"
+          + (f", label ceiling {summary['label_ceiling']:.3f} (test pairs {summary['test_label_ceiling']:.3f}), vs gold {summary['test_gold_accuracy']:.3f}" if "label_ceiling" in summary else "")
+          + f"), margin {test['margin']:.3f}, reward_mean {reward_mean:.3f}")
+    if not math.isfinite(test["loss"]):
+        common.fail("the reward model's test loss is not finite: lower --learning_rate.")
+
+    # ---- final save: reward_mean travels in the config so ppo.py / grpo.py can centre rewards
+    model.config.reward_mean = reward_mean
+    common.save_final(model, tokenizer, args)
+    common.write_json(f"{args.output_dir}/summary.json", summary)
+    print(f"reward: saved to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""grpo.py: group advantages and the loss against direct transcriptions of the design document's
+formulas, the first-step invariants, user reward functions, and the script end to end."""
+
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_script
+
+import grpo
+
+
+def _metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------ advantages
+def test_group_advantages_on_hand_built_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0,   0.3, 0.3, 0.3, 0.3,   0.0, 1.0, 2.0, 3.0])
+    adv = grpo.group_advantages(rewards, 4, "group")
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> no signal; group 3: mean 1.5
+    s1, s3 = math.sqrt(1 / 3), math.sqrt(5 / 3)
+    expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, -1.5 / s3, -0.5 / s3, 0.5 / s3, 1.5 / s3]
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-3, rtol=1e-3)
+    assert adv[4:8].abs().max() < 1e-6
+    for g in range(3):  # every group's advantages sum to zero
+        assert abs(float(adv[4 * g:4 * g + 4].sum())) < 1e-5
+    # none: centred only; batch: one std for all twelve rewards
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4, "none"),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -1.5, -0.5, 0.5, 1.5]))
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4, "batch"),
+                               grpo.group_advantages(rewards, 4, "none") / (rewards.std() + grpo.ADV_EPS))
+
+
+# ------------------------------------------------------------------ loss
+def _args(**kw):
+    base = dict(epsilon=0.2, epsilon_high=0.28, dual_clip_c=3.0, beta=0.04, loss_type="grpo",
+                max_completion_length=7)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _random_batch(seed=0, N=8, C=7):
+    g = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(N, C, generator=g) * 3
+    old_logprobs = logprobs + torch.randn(N, C, generator=g) * 1.2  # ratios from ~0.03 to ~30: every clip binds
+    ref_logprobs = logprobs + torch.randn(N, C, generator=g) * 0.5
+    advantages = torch.randn(N, generator=g)
+    lengths = torch.randint(1, C + 1, (N,), generator=g)
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    return logprobs, old_logprobs, ref_logprobs, advantages, mask
+
+
+def _design_doc_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, a):
+    """The design document's GRPO objective with dual clip, token by token, in plain Python."""
+    N, C = logprobs.shape
+    per_seq, total, n_tokens = [], 0.0, 0
+    for i in range(N):
+        A, seq = float(advantages[i]), 0.0
+        for t in range(C):
+            if not mask[i, t]:
+                continue
+            lp, old, ref = float(logprobs[i, t]), float(old_logprobs[i, t]), float(ref_logprobs[i, t])
+            r = math.exp(lp - old)
+            s = min(r * A, min(max(r, 1 - a.epsilon), 1 + a.epsilon_high) * A)
+            if a.dual_clip_c and A < 0:
+                s = max(s, a.dual_clip_c * A)
+            kl = math.exp(ref - lp) - (ref - lp) - 1
+            seq += -(s - a.beta * kl)
+            n_tokens += 1
+        per_seq.append(seq / max(int(mask[i].sum()), 1))
+        total += seq
+    if a.loss_type == "grpo":
+        return sum(per_seq) / N
+    if a.loss_type == "dr_grpo":
+        return total / (N * a.max_completion_length)
+    return total / n_tokens
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_loss_matches_the_formula(loss_type):
+    a = _args(loss_type=loss_type)
+    logprobs, old, ref, adv, mask = _random_batch()
+    loss, metrics = grpo.grpo_loss(logprobs, old, ref, adv, mask, a)
+    assert math.isclose(float(loss), _design_doc_loss(logprobs, old, ref, adv, mask, a), rel_tol=1e-5, abs_tol=1e-6)
+    assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    assert metrics["clip_ratio/dual_mean"] > 0 and metrics["kl"] > 0
+    # gradient accumulation: micro-batches with the whole batch's normalisers sum to the batch loss
+    parts = [grpo.grpo_loss(logprobs[s], old[s], ref[s], adv[s], mask[s], a, num_sequences=8, num_tokens=mask.sum())[0]
+             for s in (slice(0, 3), slice(3, 8))]
+    torch.testing.assert_close(sum(parts), loss)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    a = _args(beta=0.0, loss_type="dapo")
+    logprobs = torch.zeros(2, 2, requires_grad=True)
+    old = torch.log(torch.tensor([[1 / 5.0, 1 / 2.0], [1 / 5.0, 1 / 2.0]]))  # ratios 5 (> c) and 2 (< c)
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.ones(2, 2, dtype=torch.long)
+    loss, metrics = grpo.grpo_loss(logprobs, old, None, adv, mask, a)
+    loss.backward()
+    loss = loss.detach()
+    # A < 0, ratio 5: the bound c*A = -3 binds (loss 3, no gradient); ratio 2: the unclipped r*A = -2
+    # A > 0: both ratios are above 1 + epsilon_high, so the clip binds at 1.28 (no gradient)
+    assert math.isclose(float(loss), (3 + 2 - 1.28 - 1.28) / 4, rel_tol=1e-6)
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] != 0 and (logprobs.grad[1] == 0).all()
+    assert metrics["clip_ratio/dual_mean"] == 0.25 and metrics["clip_ratio/high_mean"] == 0.5
+    # without the dual clip the same token has an unbounded loss r*|A| = 5 and a gradient
+    logprobs.grad = None
+    loss, _ = grpo.grpo_loss(logprobs, old, None, adv, mask, _args(beta=0.0, loss_type="dapo", dual_clip_c=0))
+    loss.backward()
+    assert math.isclose(float(loss.detach()), (5 + 2 - 1.28 - 1.28) / 4, rel_tol=1e-6) and logprobs.grad[0, 0] != 0
+
+
+def test_on_policy_ratio_is_one_and_kl_zero_at_the_reference():
+    logprobs, _, _, adv, mask = _random_batch(1)
+    logprobs.requires_grad_(True)
+    loss, metrics = grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), adv, mask, _args())
+    assert metrics["kl"] == 0 and metrics["clip_ratio"] == 0 and metrics["clip_ratio/dual_mean"] == 0
+    loss.backward()  # the gradient is the plain policy gradient: -A_i / |y_i| / N per token (grpo)
+    expected = -adv[:, None] / mask.sum(1, keepdim=True) / mask.shape[0] * mask
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+# ------------------------------------------------------------------ rewards
+def test_user_reward_fn_receives_extra_columns(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text("def match(prompts, completions, answer, **kw):\n"
+                    "    return [float(a in c) for c, a in zip(completions, answer)]\n")
+    args = SimpleNamespace(reward_fn=f"{path}:match", reward_model="", reward_weights="2", dataset="x.jsonl")
+    rewards, weights = grpo.load_rewards(args)
+    assert [n for n, _, _ in rewards] == ["match"] and weights.tolist() == [2.0]
+    scores = grpo.score(rewards, ["say 3", "say 4"], [" 3", " 5"], {"answer": ["3", "4"]}, args)
+    assert scores.tolist() == [[1.0], [0.0]]
+    # conversational prompts: completions arrive as assistant messages, as in TRL
+    path.write_text("def match(prompts, completions, answer, **kw):\n"
+                    "    return [float(a in c[-1]['content']) for c, a in zip(completions, answer)]\n")
+    rewards, _ = grpo.load_rewards(args)
+    scores = grpo.score(rewards, [[{"role": "user", "content": "say 3"}]], [" 3"], {"answer": ["3"]}, args)
+    assert scores.tolist() == [[1.0]]
+
+
+# ------------------------------------------------------------------ end to end
+METRICS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/gold/mean", "kl", "clip_ratio",
+           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/dual_mean", "entropy",
+           "completions/mean_length", "completions/clipped_ratio", "loss", "grad_norm", "learning_rate"]
+
+
+def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
+    out = str(tmp_path / "grpo")
+    run_script("grpo.py", "--model", tiny_qwen, "--output_dir", out, "--max_steps", "4", "--batch_size", "2",
+               "--num_generations", "4", "--max_completion_length", "8", "--num_iterations", "2",
+               "--save_steps", "2", "--learning_rate", "1e-3", "--optim", "adamw")
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(k in rows[0] for k in METRICS)
+    # first step: policy == reference == old policy
+    assert abs(rows[0]["kl"]) < 1e-6 and rows[0]["clip_ratio"] == 0 and rows[0]["clip_ratio/dual_mean"] == 0
+    # step 2 reuses step 1's rollout with the updated policy: same rewards, the ratio has moved
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["kl"] > 0
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert -1 <= summary["gold_score"] <= 1
+    from transformers import AutoModelForCausalLM
+
+    for folder in (out, os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")):
+        assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "qwen2"
+
+
+def test_grpo_any_model_with_user_reward_and_reward_model(tmp_path, tiny_llama):
+    import world
+    from transformers import Qwen2ForSequenceClassification
+
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as f:
+        for name in ["alice", "bob", "carol", "dave", "erin", "frank"]:
+            f.write(json.dumps({"prompt": f"POST: {name} bought the bike . TL;DR:", "answer": name}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        "def mentions(prompts, completions, answer, **kw):\n"
+        "    assert all(a in p for p, a in zip(prompts, answer)), 'answer column not aligned with prompts'\n"
+        "    return [float(a in c) - 0.01 * len(c.split()) for c, a in zip(completions, answer)]\n")
+    rm = tmp_path / "rm"  # a reward model as reward.py saves it (random weights)
+    tok = world.build_tokenizer()
+    config = world.build_model(tok, 64, 1).config
+    config.num_labels, config.reward_mean = 1, 0.5
+    model = Qwen2ForSequenceClassification(config)
+    model.save_pretrained(rm)
+    tok.save_pretrained(rm)
+    out = str(tmp_path / "grpo_llama")
+    run_script("grpo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{rewards}:mentions",
+               "--reward_model", str(rm), "--reward_weights", "1,0.5", "--output_dir", out, "--max_steps", "2",
+               "--batch_size", "3", "--num_generations", "2", "--max_completion_length", "6", "--beta", "0",
+               "--loss_type", "dr_grpo", "--mask_truncated_completions")
+    rows = _metrics(out)
+    assert "rewards/mentions/mean" in rows[0] and "rewards/rm/mean" in rows[0] and "kl" not in rows[0]
+    for r in rows:  # the total is the weighted sum of the sources
+        assert math.isclose(r["reward"], r["rewards/mentions/mean"] + 0.5 * r["rewards/rm/mean"], abs_tol=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "llama"
+
+
+def test_grpo_refuses_one_generation_per_prompt(tmp_path):
+    proc = run_script("grpo.py", "--num_generations", "1", "--output_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0 and "--num_generations 1" in proc.stderr and "at least 2" in proc.stderr

@@ -1,0 +1,122 @@
+"""The memory plan (--estimate_memory) against measurements: static components (weights,
+gradients, optimizer states) within 5% on tiny models for both optimizers and both dtypes, the
+activation formula against the tensors autograd actually saves, and the command line of every
+training script on a config-only Qwen2.5-1.5B folder."""
+
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+import common
+import sft
+from conftest import ROOT, run_script
+
+STATIC = ("policy weights", "gradients", "optimizer states")
+
+
+@pytest.mark.parametrize("optim", ["adamw_8bit", "adamw"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_plan_matches_measured(tiny_qwen, tmp_path, optim, dtype):
+    args = sft.Args(model=tiny_qwen, optim=optim, dtype=dtype, attn_implementation="sdpa",
+                    learning_rate=1e-3, output_dir=str(tmp_path))
+    plan = {name: n for name, n, _ in common.estimate_memory(args, "sft")}
+    model = common.load_model(tiny_qwen, args)
+    assert any(p.numel() >= 4096 for p in model.parameters())  # 8-bit states really engage
+    assert any(p.numel() < 4096 for p in model.parameters())  # and so do the small fp32 ones
+    optimizer = common.make_optimizer(model, args)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    for _ in range(2):  # first call: optimizer states do not exist yet, so nothing is final
+        model(input_ids=ids, labels=ids).loss.backward()
+        components = {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+                      "optimizer states": optimizer}
+        common.log_memory(args.output_dir, components)
+        common.optimizer_step(optimizer, 1.0)
+    with open(tmp_path / "memory.json") as f:
+        measured = json.load(f)
+    assert measured["complete"] and measured["peak_bytes"] > 0
+    for name in STATIC:
+        got, want = measured["components"][name], plan[name]
+        assert abs(got - want) <= 0.05 * want, f"{name}: measured {got} bytes, planned {want}"
+
+
+def test_activation_plan_matches_saved_tensors():
+    """Count the bytes autograd saves for backward (not the weights) in a Qwen2 forward."""
+    from transformers import Qwen2ForCausalLM
+
+    for dtype in (torch.float32, torch.bfloat16):
+        config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        config._attn_implementation = "sdpa"
+        model = Qwen2ForCausalLM(config).to(dtype).train()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, 300, (3, 40))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            common.backbone(model)(input_ids=ids, use_cache=False)
+        plan = common.activation_plan(config, ids.numel(), dtype.itemsize, checkpointing=False)
+        assert abs(sum(saved.values()) - plan) <= 0.05 * plan, (dtype, sum(saved.values()), plan)
+
+
+@pytest.fixture(scope="module")
+def qwen15_config(tmp_path_factory):
+    """A folder holding only the config.json of Qwen2.5-1.5B (no weights, no tokenizer)."""
+    path = tmp_path_factory.mktemp("qwen2.5-1.5b-config")
+    Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                max_position_embeddings=32768).save_pretrained(path)
+    assert os.listdir(path) == ["config.json"]
+    return str(path)
+
+
+def test_estimate_memory_command_line(qwen15_config):
+    scripts = [s for s in ("sft", "dpo", "grpo", "ppo") if os.path.exists(os.path.join(ROOT, f"{s}.py"))]
+    assert {"sft", "dpo", "grpo"} <= set(scripts)
+    flags = ["--model", qwen15_config, "--dtype", "bfloat16", "--batch_size", "2", "--estimate_memory"]
+    with ThreadPoolExecutor(2) as pool:  # subprocesses: two at a time on two cores
+        extra = {"ppo": ["--reward_model", qwen15_config]}  # a policy-shaped reward model (and critic)
+        procs = dict(zip(scripts, pool.map(lambda s: run_script(f"{s}.py", *flags, *extra.get(s, []), timeout=120),
+                                           scripts)))
+    tables = {}
+    for script, proc in procs.items():
+        lines = proc.stdout.strip().splitlines()
+        assert lines[-1].startswith("total"), proc.stdout
+        rows = [re.match(r"(.+?)\s{2,}(\d+\.\d+)\s+\d+\.\d+", line) for line in lines]
+        tables[script] = {m.group(1): float(m.group(2)) for m in rows if m}
+    # 1.544B parameters: 2.88 GB of bf16 weights, as many of gradients, ~2.9 GB of 8-bit states
+    assert tables["sft"]["policy weights"] == pytest.approx(2.875, abs=0.01)
+    assert tables["dpo"]["reference model"] == 0  # log-probs precomputed by default
+    assert tables["grpo"]["reference model"] == pytest.approx(2.875, abs=0.01)  # beta 0.04
+    if "ppo" in tables:
+        assert tables["ppo"]["critic weights"] > 2.8 and tables["ppo"]["reward model"] > 2.8
+    assert not os.path.exists(os.path.join(qwen15_config, "model.safetensors"))
+
+
+def test_log_memory_splits_one_optimizer_by_module(tmp_path):
+    """ppo.py's single optimizer over actor and critic: (optimizer, module) measures each part."""
+    from types import SimpleNamespace
+
+    actor, critic = torch.nn.Linear(64, 128), torch.nn.Linear(64, 1)
+    both = torch.nn.ModuleDict({"actor": actor, "critic": critic})
+    optimizer = common.make_optimizer(both, SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, optim="adamw"))
+    components = {"optimizer states": (optimizer, actor), "critic optimizer states": (optimizer, critic),
+                  "reward model": None, "frozen": [torch.nn.Linear(4, 4)]}
+    common.log_memory(str(tmp_path), components)  # before the first step: no states yet, not final
+    assert not json.load(open(tmp_path / "memory.json"))["complete"]
+    (actor(torch.randn(2, 64)).sum() + critic(torch.randn(2, 64)).sum()).backward()
+    common.optimizer_step(optimizer)
+    common.log_memory(str(tmp_path), components)
+    measured = json.load(open(tmp_path / "memory.json"))["components"]
+    assert measured["optimizer states"] == 2 * 4 * (64 * 128 + 128) + 2 * 4  # two fp32 moments + steps
+    assert measured["critic optimizer states"] == 2 * 4 * (64 + 1) + 2 * 4
+    assert measured["reward model"] == 0 and measured["frozen"] == 4 * (16 + 4)

@@ -1,0 +1,152 @@
+"""Kill a run with SIGKILL in the middle of writing a checkpoint, resume it, and check that it ends
+exactly where an uninterrupted run ends (CPU: bitwise, 8-bit optimizer states included).
+
+The crash is made deterministic with the test hook RLHF_TEST_CRASH_WHILE_SAVING=checkpoint-<step>
+(common.save_checkpoint SIGKILLs its own process after writing the weights of that checkpoint into
+its temporary folder, before the rename): the steps logged after the last complete checkpoint and
+the half-written folder must both be discarded on resume.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+
+import common
+
+
+def _launch(*argv, env=None):
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, returncode=0):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == returncode, f"exited {proc.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+    return out
+
+
+def _metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _weights(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.fixture
+def sft_data(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    with open(path, "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"POST: alice bought the bike {i % 7} . TL;DR:",
+                                "completion": " alice bought bike ." + " now" * (i % 4)}) + "\n")
+    return str(path)
+
+
+def test_sft_resumes_exactly_after_sigkill(tmp_path, tiny_qwen, sft_data):
+    # default --optim adamw_8bit: the 8-bit states must survive the round trip exactly
+    argv = ["sft.py", "--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "8", "--batch_size", "4",
+            "--save_steps", "3", "--learning_rate", "3e-3", "--warmup_steps", "2"]
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    # --resume with no checkpoint yet starts from step 0 (so one command serves every relaunch)
+    run = _launch(*argv, "--output_dir", crashed, "--resume", env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-6"})
+    out = _finish(run, -signal.SIGKILL)
+    _finish(ref)
+    assert "no checkpoint" in out
+    assert {"checkpoint-3", "checkpoint-6.tmp", "metrics.jsonl"} <= set(os.listdir(crashed))
+    assert not os.path.exists(os.path.join(crashed, "checkpoint-6"))
+    assert [r["step"] for r in _metrics(crashed)] == [1, 2, 3, 4, 5, 6]  # steps 4-6 were lost with the crash
+
+    out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
+    assert f"continuing from {crashed}/checkpoint-3 at step 3" in out
+    assert _metrics(crashed) == _metrics(full)  # loss, grad_norm, learning_rate, num_tokens of every step
+    assert [r["step"] for r in _metrics(crashed)] == list(range(1, 9))
+    for name in ("", "checkpoint-6"):
+        a, b = _weights(os.path.join(full, name)), _weights(os.path.join(crashed, name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not [n for n in os.listdir(crashed) if n.endswith(".tmp")]
+    state = torch.load(os.path.join(crashed, "checkpoint-6", "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 6 and {"optimizer", "scheduler", "rng"} <= state.keys()
+    assert any(t.dtype == torch.uint8 for t in _tensors(state["optimizer"]))  # the 8-bit AdamW states are in it
+
+
+def _tensors(tree):
+    if torch.is_tensor(tree):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+
+
+def test_training_state_round_trips_optimizer_scheduler_and_rng(tmp_path, tiny_qwen):
+    """--resume_from_checkpoint at the function level: weights, AdamW-8bit, scheduler, RNG."""
+    import random
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    args = SimpleNamespace(learning_rate=1e-2, weight_decay=0.0, optim="adamw_8bit", lr_scheduler_type="linear",
+                           warmup_steps=1, max_steps=10, output_dir=str(tmp_path), seed=0, resume=False)
+
+    def make():
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+        optimizer = common.make_optimizer(model, args)
+        return model, optimizer, common.make_scheduler(optimizer, args)
+
+    def train(model, optimizer, scheduler, steps):
+        for step in steps:
+            ids = torch.randint(0, 50, (2, 6))  # draws from the global RNG: restored on resume
+            model(input_ids=ids, labels=ids).loss.backward()
+            common.optimizer_step(optimizer, 1.0)
+            scheduler.step()
+
+    torch.manual_seed(0)
+    model, optimizer, scheduler = make()
+    train(model, optimizer, scheduler, range(3))
+    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-3", common.training_state(3, optimizer, scheduler))
+    train(model, optimizer, scheduler, range(3, 5))
+    draw = random.random()
+
+    model2, optimizer2, scheduler2 = make()
+    args.resume_from_checkpoint = f"{tmp_path}/checkpoint-3"
+    assert common.maybe_resume(args, model2, optimizer2, scheduler2) == 3
+    train(model2, optimizer2, scheduler2, range(3, 5))
+    assert random.random() == draw
+    assert scheduler2.get_last_lr() == scheduler.get_last_lr()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert common.last_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-3"
+
+
+def test_online_dpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
+    """An RL script whose batches are *sampled*: exact resumption needs the RNG states too."""
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    argv = ["dpo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--online", "--reward_fn", f"{rewards}:length",
+            "--max_steps", "5", "--batch_size", "4", "--max_new_tokens", "6", "--save_steps", "2",
+            "--learning_rate", "1e-2", "--warmup_steps", "0"]
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
+    _finish(ref)
+    assert [r["step"] for r in _metrics(crashed)] == [1, 2, 3, 4]
+    # --resume_from_checkpoint names the folder explicitly
+    out = _finish(_launch(*argv, "--output_dir", crashed, "--resume_from_checkpoint", f"{crashed}/checkpoint-2"))
+    assert "at step 2" in out
+    assert _metrics(crashed) == _metrics(full)  # same samples, same judge scores, same losses
+    a, b = _weights(full), _weights(crashed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

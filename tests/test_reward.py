@@ -1,0 +1,79 @@
+"""reward.py: the Bradley-Terry loss on hand-built pairs, the shared-prompt batching of chosen and
+rejected, and the script end to end at tiny size."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from conftest import run_script
+
+import common
+import reward
+
+
+def test_bradley_terry_loss_and_accuracy_on_hand_built_pairs():
+    chosen, rejected = torch.tensor([2.0, 0.0, 3.0]), torch.tensor([1.0, 1.0, 3.0])
+    loss, m = reward.bradley_terry_loss(chosen, rejected)
+    # -log sigmoid(d) = log(1 + exp(-d)) for margins d = 1, -1, 0
+    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1)) + math.log(2)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["accuracy"].item() == pytest.approx(1 / 3)  # a tie is not a correct ranking
+    assert m["margin"].item() == pytest.approx(0.0, abs=1e-7)
+    # the gradient raises the chosen score and lowers the rejected one
+    c, r = chosen.clone().requires_grad_(), rejected.clone().requires_grad_()
+    reward.bradley_terry_loss(c, r)[0].backward()
+    assert (c.grad < 0).all() and (r.grad > 0).all() and torch.allclose(c.grad, -r.grad)
+    # large margins do not underflow to log(0)
+    assert torch.isfinite(reward.bradley_terry_loss(torch.tensor([-200.0]), torch.tensor([200.0]))[0])
+
+
+def test_pair_scores_match_scoring_each_sequence_alone(tiny_qwen):
+    from transformers import AutoModelForSequenceClassification
+
+    class A:
+        dtype, attn_implementation, trust_remote_code = "float32", "sdpa", False
+        max_prompt_length, max_completion_length = 512, 256
+
+    tok = common.load_tokenizer(tiny_qwen)
+    model = common.freeze(common.load_model(tiny_qwen, A, cls=AutoModelForSequenceClassification, num_labels=1))
+    triples = [("POST: alice bought the bike . TL;DR:", " alice bought bike .", " bob lost phone . alice sold car ."),
+               ("POST: bob lost the phone at the park . it was a long week . TL;DR:", " bob lost phone .", " bob ."),
+               ("POST: erin hid the lamp . TL;DR:", " erin hid lamp .", " erin hid the lamp at the park yesterday .")]
+    with torch.no_grad():
+        chosen, rejected = reward.pair_scores(model, tok, triples, A)
+        for i, (p, c, r) in enumerate(triples):
+            for text, batched in ((c, chosen[i]), (r, rejected[i])):
+                ids = tok(p + text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                alone = common.sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+                assert alone.item() == pytest.approx(batched.item(), abs=1e-4)
+    loss, m = reward.bradley_terry_loss(chosen, rejected)
+    assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(chosen - rejected).mean().item(), rel=1e-6)
+
+
+def test_reward_end_to_end_on_the_embedded_world(tmp_path, tiny_qwen):
+    out = str(tmp_path / "rm")
+    proc = run_script("reward.py", "--model", tiny_qwen, "--output_dir", out, "--max_steps", "4", "--batch_size", "8",
+                      "--eval_steps", "2", "--test_size", "0.02", "--save_steps", "4", "--optim", "adamw")
+    assert "3920 train / 80 test pairs" in proc.stdout
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert all(k in train_rows[0] for k in ("loss", "accuracy", "margin", "mean_reward", "grad_norm", "learning_rate"))
+    assert "eval_accuracy" in train_rows[1] and rows[-1]["step"] == 4 and "eval_accuracy" in rows[-1]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert 0 <= summary["test_accuracy"] <= 1 and 0 <= summary["train_accuracy"] <= 1
+    assert summary["label_ceiling"] == pytest.approx(0.798375) and 0 <= summary["test_gold_accuracy"] <= 1
+    # reward_mean travels with the model, and the saved folder loads as a reward model
+    rm, tok = common.load_reward_model(out, type("A", (), {"dtype": "float32", "attn_implementation": "sdpa",
+                                                            "trust_remote_code": False}))
+    assert rm.config.reward_mean == pytest.approx(summary["reward_mean"])
+    assert rm.config.num_labels == 1 and os.path.isdir(os.path.join(out, "checkpoint-4"))
+
+
+def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "x", "chosen": " y"}\n')
+    proc = run_script("reward.py", "--model", tiny_qwen, "--dataset", str(bad), "--output_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0 and "no column 'rejected'" in proc.stderr
