@@ -20,6 +20,8 @@ from tqdm.auto import tqdm
 
 import world
 
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
+
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 
 
@@ -349,7 +351,6 @@ def make_optimizer(model, args):
     params = [p for p in model.parameters() if p.requires_grad]
     kw = dict(lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay)
     if args.optim == "adamw_8bit":
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # silence its CPU-kernel notice
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, **kw)
@@ -856,7 +857,7 @@ class MetricsLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if pbar is not None:
-            pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)})
+            pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)}, refresh=False)
         if self.tracker is not None and hasattr(self.tracker, "add_scalar"):
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
