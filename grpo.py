@@ -215,8 +215,12 @@ def main():
         common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
     if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
         common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
+    if args.save_steps and args.save_steps % args.num_iterations:
+        common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
+                    "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
-    common.set_seed(args.seed)
+    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + common.rank())  # each rank samples differently
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
@@ -232,6 +236,7 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
     model.train()
+    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen; beta == 0 saves its memory entirely
     ref_model = common.freeze(common.load_model(args.model, args)) if args.beta else None
     rewards, weights = load_rewards(args)
@@ -246,18 +251,21 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    logger = common.MetricsLogger(args)
+    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = common.MetricsLogger(args, start_step)
 
     # ---- loop
     start = time.time()
-    pbar = common.progress(args, desc="grpo")
+    pbar = common.progress(args, start_step, desc="grpo")
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
         if step % args.num_iterations == 0:
             batches, rollout_metrics = [], []
             for micro in range(args.gradient_accumulation_steps):
-                idx = common.batch_indices(len(ds), args.batch_size, args.seed,
-                                           (step // args.num_iterations) * args.gradient_accumulation_steps + micro)
+                # this rank's prompts of the global batch; the step is the position in the data
+                idx = common.shard(common.batch_indices(
+                    len(ds), args.batch_size * common.world_size(), args.seed,
+                    (step // args.num_iterations) * args.gradient_accumulation_steps + micro))
                 prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
                 prompt_ids = prompt_ids.repeat_interleave(G, 0).to(device)  # (B*G, P): groups are consecutive rows
                 prompt_mask = prompt_mask.repeat_interleave(G, 0).to(device)
@@ -270,6 +278,7 @@ def main():
                 columns = {c: [v[i] for i in group] for c, v in column_values.items()}
                 rewards_per_source = score(rewards, [raw_prompts[i] for i in group], texts, columns, args)  # (N, K)
                 reward = (rewards_per_source * weights).sum(1)  # (N,)
+                common.check_finite("reward", reward, step + 1)
 
                 # 3. group-relative advantages; groups with equal rewards carry no signal
                 advantages = group_advantages(reward, G, args.scale_rewards).to(device)  # (N,)
@@ -310,6 +319,7 @@ def main():
             old = logprobs.detach() if old_logprobs is None else old_logprobs
             loss, metrics = grpo_loss(logprobs, old, ref_logprobs, advantages, completion_mask, args,
                                       num_sequences, num_tokens)
+            common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
             if loss.requires_grad:  # False only when every completion is masked (all truncated)
                 loss.backward()
             mask = completion_mask.float()
@@ -330,14 +340,16 @@ def main():
             logger.log(step + 1, {**common.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm,
                                   "learning_rate": scheduler.get_last_lr()[0], "num_tokens": int(num_tokens)}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   common.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
 
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {"train_seconds": train_seconds, "seconds_per_step": train_seconds / args.max_steps,
-               **common.mean_metrics(rollout_metrics)}
+    summary = {"train_seconds": train_seconds,
+               "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
+               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {})}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

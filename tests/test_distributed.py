@@ -93,3 +93,16 @@ def test_dpo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen):
     for run in runs:
         _finish(run)
     _assert_same_training(one, two, keys=("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"))
+
+
+def test_grpo_runs_under_torchrun(tmp_path, tiny_qwen):
+    """grpo.py under 2 CPU ranks: each rank samples its own prompts, rank 0 logs and saves once."""
+    out = str(tmp_path / "grpo")
+    _finish(_launch(["grpo.py", "--model", tiny_qwen, "--max_steps", "2", "--batch_size", "2", "--num_generations", "4",
+                     "--max_completion_length", "8", "--save_steps", "2", "--eval_batch_size", "200",
+                     "--output_dir", out], nproc=2))
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]  # one line per step, not one per rank
+    assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["clip_ratio"] == 0
+    assert os.path.exists(os.path.join(out, "checkpoint-2", "trainer_state.pt"))
+    assert json.load(open(os.path.join(out, "summary.json")))["gold_score"] <= 1
