@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models and tokenizers built locally (nothing is downloaded)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,4 +53,16 @@ def tiny_qwen(tmp_path_factory):
     tok = world.build_tokenizer()
     world.build_model(tok, hidden_size=64, num_layers=2).save_pretrained(path)
     tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def sft_data(tmp_path):
+    """A small prompt+completion .jsonl whose completions differ in length (token-mean losses
+    must still match across ranks and across a resume)."""
+    path = tmp_path / "sft.jsonl"
+    with open(path, "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": f"POST: alice bought the bike {i % 7} . TL;DR:",
+                                "completion": " alice bought bike ." + " now" * (i % 4)}) + "\n")
     return str(path)

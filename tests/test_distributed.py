@@ -44,16 +44,6 @@ def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e
         torch.testing.assert_close(wa[k], wb[k], atol=weights_atol, rtol=0)
 
 
-@pytest.fixture
-def sft_data(tmp_path):
-    path = tmp_path / "sft.jsonl"
-    with open(path, "w") as f:
-        for i in range(24):  # completions of different lengths: the token-mean loss must still match
-            f.write(json.dumps({"prompt": f"POST: alice bought the bike {i % 7} . TL;DR:",
-                                "completion": " alice bought bike ." + " now" * (i % 4)}) + "\n")
-    return str(path)
-
-
 def test_sft_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, sft_data):
     argv = ["sft.py", "--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "4", "--learning_rate", "1e-2",
             "--warmup_steps", "0", "--optim", "adamw", "--save_steps", "2"]

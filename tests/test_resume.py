@@ -43,16 +43,6 @@ def _weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-@pytest.fixture
-def sft_data(tmp_path):
-    path = tmp_path / "sft.jsonl"
-    with open(path, "w") as f:
-        for i in range(24):
-            f.write(json.dumps({"prompt": f"POST: alice bought the bike {i % 7} . TL;DR:",
-                                "completion": " alice bought bike ." + " now" * (i % 4)}) + "\n")
-    return str(path)
-
-
 def test_sft_resumes_exactly_after_sigkill(tmp_path, tiny_qwen, sft_data):
     # default --optim adamw_8bit: the 8-bit states must survive the round trip exactly
     argv = ["sft.py", "--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "8", "--batch_size", "4",
