@@ -4,7 +4,9 @@ advantages, KL and clipping stay in sft.py / reward.py / ppo.py / dpo.py / grpo.
 """
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 import world
 
@@ -174,9 +177,18 @@ def load_model(name, args, cls=None, **kwargs):
         trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
     )
     if getattr(args, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_checkpointing(model)
     return model.to(device())
+
+
+def enable_checkpointing(model):
+    """Activation (gradient) checkpointing of every decoder layer, non-reentrant; transformers 5
+    renamed `gradient_checkpointing_enable` to `activation_checkpointing_enable`."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def freeze(model):
@@ -607,21 +619,60 @@ def backbone(model):
     return getattr(model, model.base_model_prefix)
 
 
+def with_cache(module, cache):
+    """Keyword arguments that make a forward read and extend a key/value cache: transformers
+    renamed `past_key_values` to `cache` in 5.x, and this works with either."""
+    return {_cache_keyword(type(module)): cache, "use_cache": True}
+
+
+@functools.cache
+def _cache_keyword(cls):
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def is_checkpointing(model):
+    """Whether activation (gradient) checkpointing is on; transformers 5 renamed the attribute."""
+    return bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=1.0, with_entropy=False, chunk_tokens=None):
     """Per-token log pi(y_t | x, y_<t) of the completion tokens: (B, C), 0 where masked.
+
+    Shared prompts: when there are k > 1 times as many completions as prompts, completion row i
+    continues prompt row i // k (the layout of `repeat_interleave(k)`: GRPO's groups, DPO's
+    chosen/rejected pairs). Each prompt then goes through the model once and its key/value cache
+    is repeated for its k completions -- the same numbers as k copies of the prompt, with k times
+    less prompt compute. (Under gradient checkpointing with gradients on, HF layers refuse a
+    cache, so the prompt is repeated instead.)
 
     Memory: the head is applied to completion positions only (not the prompt, not padding), in
     chunks of rows, each under activation checkpointing, so at most one chunk of fp32 logits
     `(chunk_tokens, vocab)` exists at a time, in forward and in backward; never `(B, T, V)`.
     With `with_entropy`, also returns the per-token entropy of the (tempered) distribution.
     """
-    ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P+C)
-    mask = torch.cat([prompt_mask, completion_mask], 1)
-    hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                             use_cache=False).last_hidden_state  # (B, P+C, H)
+    k = completion_ids.shape[0] // prompt_ids.shape[0]
     C = completion_ids.shape[1]
-    hidden = hidden[:, -C - 1:-1]  # (B, C, H): the state before each completion token
+    body = backbone(model)
+    if k > 1 and not (torch.is_grad_enabled() and is_checkpointing(model)):
+        cache = DynamicCache(config=model.config)
+        prompt_hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                             **with_cache(body, cache)).last_hidden_state  # (B, P, H)
+        cache.batch_repeat_interleave(k)  # (B*k, ...): differentiable, gradients reach the prompt once
+        mask = torch.cat([prompt_mask.repeat_interleave(k, 0), completion_mask], 1)  # (B*k, P+C)
+        hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=position_ids(mask)[:, -C:],
+                      **with_cache(body, cache)).last_hidden_state  # (B*k, C, H)
+        # the state before each completion token: the prompt's last, then the completion's own
+        hidden = torch.cat([prompt_hidden[:, -1:].repeat_interleave(k, 0), hidden[:, :-1]], 1)  # (B*k, C, H)
+        del cache, prompt_hidden
+    else:
+        if k > 1:
+            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
+        ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P+C)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                      use_cache=False).last_hidden_state  # (B, P+C, H)
+        hidden = hidden[:, -C - 1:-1]  # (B, C, H): the state before each completion token
     keep = completion_mask.bool()
     h, labels = hidden[keep], completion_ids[keep]  # (N, H), (N,): real tokens only
     head = model.get_output_embeddings()
@@ -658,33 +709,69 @@ def _head_logprobs(head, h, labels, temperature, with_entropy):
 # ============================================================================ generation
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0,
-             top_p=1.0, top_k=0, do_sample=True):
-    """Sample completions with HF `generate`; stop at EOS.
+             top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1):
+    """Sample `num_return_sequences` (n) completions per prompt; stop at EOS.
 
-    Returns completion ids (B, C) with everything after the first EOS set to pad, the mask
-    (1 up to and including EOS), and `truncated` (B,): True where no EOS was produced.
+    A plain decoding loop over the model's key/value cache -- HF `generate`'s sampling, without
+    its processors: each prompt is prefilled once and its cache repeated for its n samples, so
+    rows i*n..(i+1)*n-1 are prompt i's (the layout of `repeat_interleave(n)`). Sampling is
+    multinomial at `temperature`, optionally restricted by `top_k` / `top_p`; `do_sample=False`
+    is greedy. Returns completion ids (B*n, C) with everything after the first EOS set to pad,
+    the mask (1 up to and including EOS), and `truncated` (B*n,): True where no EOS was produced.
     """
     was_training = model.training
     model.eval()
-    kw = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-              eos_token_id=tokenizer.eos_token_id, use_cache=True)
-    if is_sharded(model):  # FSDP2 layers gather weights collectively: ranks step together until all are done
-        kw["synced_gpus"] = True
-    if do_sample:
-        kw.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    else:
-        kw.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kw)
+    n, eos, pad = num_return_sequences, tokenizer.eos_token_id, tokenizer.pad_token_id
+    cache = DynamicCache(config=model.config)
+    positions = position_ids(prompt_mask)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
+                **with_cache(model, cache))
+    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (B*n, V): next-token logits
+    cache.batch_repeat_interleave(n)
+    mask = prompt_mask.repeat_interleave(n, 0)
+    next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    sharded = is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
+    tokens = []
+    for t in range(max_new_tokens):
+        token = _next_token(logits, temperature, top_p, top_k, do_sample).masked_fill(done, pad)  # (B*n,)
+        tokens.append(token)
+        done |= token == eos
+        finished = all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
+        if finished or t + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                       **with_cache(model, cache)).logits[:, -1].float()
+        next_position = next_position + 1
+    del cache
     model.train(was_training)
-    completion = out[:, prompt_ids.shape[1]:]  # (B, C)
-    is_eos = completion == tokenizer.eos_token_id
+    completion = torch.stack(tokens, 1) if tokens else prompt_ids.new_full((logits.shape[0], 1), pad)  # (B*n, C)
+    is_eos = completion == eos
     truncated = ~is_eos.any(1)
-    first_eos = torch.where(truncated, completion.shape[1], is_eos.int().argmax(1))  # (B,)
+    first_eos = torch.where(truncated, completion.shape[1], is_eos.int().argmax(1))  # (B*n,)
     arange = torch.arange(completion.shape[1], device=completion.device)
     completion_mask = (arange[None] <= first_eos[:, None]).long()
-    completion = completion.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    completion = completion.masked_fill(completion_mask == 0, pad)
     width = max(int(completion_mask.sum(1).max()), 1)
     return completion[:, :width], completion_mask[:, :width], truncated
+
+
+def _next_token(logits, temperature, top_p, top_k, do_sample):
+    """One token per row from next-token logits (B, V): greedy, or sampled at `temperature`
+    from the top-k tokens and the smallest set whose probability reaches top_p."""
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # tokens after the nucleus is full (the first always stays)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 
 
 def decode_completions(tokenizer, completion_ids, completion_mask):

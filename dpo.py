@@ -65,6 +65,7 @@ class Args(TrainArgs):
     beta: float = field(default=0.1, metadata={"help": "KL strength: the implicit reward is beta * log pi/ref (Eq. 7)."})
     loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid (DPO, Eq. 7) | ipo (Azar et al. 2023) | robust (Chowdhury et al. 2024)."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Assumed probability that a label is flipped: conservative DPO (sigmoid) or robust DPO; in [0, 0.5)."})
+    rpo_alpha: float = field(default=0.0, metadata={"help": "Weight of an NLL (SFT) loss on the chosen responses added to the DPO loss (RPO, Pang et al. 2024; TRL's rpo_alpha); 0: off."})
     precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
     online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
@@ -104,15 +105,30 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return losses, chosen_rewards, rejected_rewards
 
 
+def chosen_nll(chosen_logps, chosen_mask, loss_type):
+    """RPO's extra term (Pang et al. 2024, Eq. 3): the negative log-likelihood of the chosen
+    responses per token, mean over pairs. DPO alone only widens the margin and can lower the
+    likelihood of y_w too; this keeps raising it. `chosen_logps` are pair_logps' values (sums,
+    or per-token means for ipo), `chosen_mask` (B, C) their completion mask."""
+    per_token = chosen_logps if loss_type == "ipo" else chosen_logps / chosen_mask.sum(1).clamp(min=1)
+    return -per_token.mean()
+
+
 def pair_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_type):
     """log pi(y|x) of chosen and rejected in one forward: prompts (B, P), completions (2B, C)
-    with the chosen ones first. Returns (chosen_logps, rejected_logps), each (B,)."""
-    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)  # (2B, P)
+    with the chosen ones first. Returns (chosen_logps, rejected_logps), each (B,).
+
+    The rows go in as c_0, r_0, c_1, r_1, ..., so each prompt is encoded once for both of its
+    responses (common.completion_logprobs shares it)."""
+    B = prompt_ids.shape[0]
+    pairs = torch.arange(2 * B, device=completion_ids.device).view(2, B).t().reshape(-1)  # (2B,): 0, B, 1, B+1, ...
+    completion_ids, completion_mask = completion_ids[pairs], completion_mask[pairs]
     logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (2B, C)
     logps = logprobs.sum(1)  # (2B,) sequence log-prob = sum of per-token log-probs
     if loss_type == "ipo":  # IPO on per-token means (see the module docstring)
         logps = logps / completion_mask.sum(1).clamp(min=1)
-    return logps.chunk(2)
+    logps = logps.view(B, 2)
+    return logps[:, 0], logps[:, 1]
 
 
 def encode_pairs(tokenizer, prompts, chosen, rejected, args):
@@ -171,20 +187,22 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     texts = [common.render_prompt(tokenizer, p) for p in prompts]
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
     prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
-    # rows 0..B-1 are the first sample of each prompt, rows B..2B-1 the second
+    # rows 2i and 2i+1 are the two samples of prompt i
     completion_ids, completion_mask, truncated = common.generate(
-        model, tokenizer, prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1), args.max_new_tokens,
-        temperature=args.temperature)  # (2B, C)
+        model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
+        num_return_sequences=2)  # (2B, C)
     completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
     if not isinstance(prompts[0], str):  # conversational data: the judge sees assistant messages
         completions = [[{"role": "assistant", "content": c.strip()}] for c in completions]
-    scores = judge(prompts * 2, completions, {k: v * 2 for k, v in columns.items()}).view(2, -1)  # (2, B)
+    prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
+    columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
+    scores = judge(prompts2, completions, columns2).view(-1, 2).t()  # (2, B): first and second samples
     # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
     keep = scores[0] != scores[1]  # (B,)
     first_wins = scores[0] > scores[1]
-    B = len(prompts)
-    chosen = torch.where(first_wins, torch.arange(B), torch.arange(B) + B)[keep]  # row of y_w
-    rejected = torch.where(first_wins, torch.arange(B) + B, torch.arange(B))[keep]  # row of y_l
+    first = 2 * torch.arange(len(prompts))  # row of each prompt's first sample
+    chosen = torch.where(first_wins, first, first + 1)[keep]  # row of y_w
+    rejected = torch.where(first_wins, first + 1, first)[keep]  # row of y_l
     metrics = {"objective/scores": scores.mean(),
                "objective/scores_margin": (scores.max(0).values - scores.min(0).values)[keep].mean() if keep.any() else 0.0,
                "val/contain_eos_token": 1 - truncated.float().mean(), "ties": int((~keep).sum())}
@@ -301,6 +319,10 @@ def main():
                 chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                 args.beta, args.loss_type, args.label_smoothing)
             loss = losses.mean()
+            nll = None
+            if args.rpo_alpha:  # RPO: DPO + alpha * NLL of the chosen responses
+                nll = chosen_nll(chosen_logps, batch[3][:chosen_logps.shape[0]], args.loss_type)  # chosen rows first
+                loss = loss + args.rpo_alpha * nll
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             rows.append({"loss": loss.detach(), "rewards/chosen": chosen_rewards.mean(),
@@ -308,7 +330,7 @@ def main():
                          "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
                          "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
                          "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
-                         **stats})
+                         **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
         # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
         common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
                                             "optimizer states": optimizer, "reference model": ref_model,

@@ -267,10 +267,12 @@ def main():
                     len(ds), args.batch_size * common.world_size(), args.seed,
                     (step // args.num_iterations) * args.gradient_accumulation_steps + micro))
                 prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
-                prompt_ids = prompt_ids.repeat_interleave(G, 0).to(device)  # (B*G, P): groups are consecutive rows
-                prompt_mask = prompt_mask.repeat_interleave(G, 0).to(device)
+                prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (B, P)
+                # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
+                # here and in every log-prob pass below (common.completion_logprobs shares it)
                 completion_ids, completion_mask, truncated = common.generate(
-                    model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature)
+                    model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
+                    num_return_sequences=G)
                 texts = common.decode_completions(tokenizer, completion_ids, completion_mask)
 
                 # 2. score every completion with every reward source, then the weighted sum

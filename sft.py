@@ -67,7 +67,7 @@ def main():
         model = world.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
         model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            common.enable_checkpointing(model)
     else:
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args)

@@ -7,7 +7,7 @@ world's tokenizer, on the same rows of the embedded world written to .jsonl file
 - SFT:  8 examples a step.
 - DPO:  8 pairs a step, beta 0.1, sigmoid loss; reference handling as each project defaults
         (ours: log-probs precomputed before training; TRL: a frozen reference model forward).
-- GRPO: 2 prompts x 8 generations, 32 new tokens, beta 0.04, loss_type grpo, one optimizer
+- GRPO: 2 prompts x 8 generations, 32 new tokens, temperature 1, beta 0.04, loss_type grpo, one optimizer
         step per rollout, the gold judge as the reward function.
 All: torch AdamW (lr 1e-5, no weight decay, constant schedule, clip 1.0), fp32, no checkpoints,
 no evaluation. Steady state: each configuration runs twice, with --short and --long steps, and
@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 SETTINGS = {
     "sft": dict(batch_size=8, max_prompt_length=512, max_completion_length=256),
     "dpo": dict(batch_size=8, beta=0.1, max_prompt_length=512, max_completion_length=256),
-    "grpo": dict(batch_size=2, num_generations=8, max_completion_length=32, beta=0.04, max_prompt_length=512),
+    "grpo": dict(batch_size=2, num_generations=8, max_completion_length=32, beta=0.04, temperature=1.0, max_prompt_length=512),
 }
 COMMON = dict(learning_rate=1e-5, optim="adamw", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
               weight_decay=0.0, dtype="float32", attn_implementation="sdpa", logging_steps=1, seed=0)
@@ -108,7 +108,7 @@ def run_trl(algo, model_dir, data, steps, out):
         G = s["num_generations"]
         config = trl.GRPOConfig(per_device_train_batch_size=s["batch_size"] * G, num_generations=G,
                                 max_completion_length=s["max_completion_length"], beta=s["beta"], loss_type="grpo",
-                                num_iterations=1, steps_per_generation=1, temperature=1.0, **kw)
+                                num_iterations=1, steps_per_generation=1, temperature=s["temperature"], **kw)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=world.gold_reward, args=config, train_dataset=ds,
                                   processing_class=tokenizer)
     trainer.train()

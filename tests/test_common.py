@@ -52,6 +52,53 @@ def test_completion_logprobs_match_full_softmax(chunk_tokens):
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_match_repeated_prompts(checkpointing):
+    """k completions per prompt: one prompt pass whose KV cache is repeated gives the same
+    log-probs and gradients as k copies of the prompt (with checkpointing: the repeat fallback)."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    if checkpointing:
+        common.enable_checkpointing(model)
+    model.train()
+    prompts = ["POST: alice bought the bike .\nTL;DR:", "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"]
+    p_ids, p_mask = common.encode_prompts(tok, prompts)
+    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " alice .", " bob lost phone . nobody knows",
+                                                    " bob ."])  # rows 0, 1 continue prompt 0; rows 2, 3 prompt 1
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    lp = common.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7)
+    (g_shared,) = torch.autograd.grad(lp.sum(), weight)
+    ref_lp, _ = _naive_logprobs(model, p_ids.repeat_interleave(2, 0), p_mask.repeat_interleave(2, 0), c_ids, c_mask, 0.7)
+    (g_ref,) = torch.autograd.grad(ref_lp.sum(), weight)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_shared, g_ref, atol=1e-5, rtol=1e-4)
+    assert g_ref.abs().sum() > 0  # the prompt's keys get gradient through the shared cache
+
+
+def test_generate_greedy_matches_hf_generate():
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:",
+                                            "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"])
+    c, cm, _ = common.generate(model, tok, ids, mask, max_new_tokens=8, do_sample=False, num_return_sequences=3)
+    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+    hf = hf[:, :c.shape[1]].repeat_interleave(3, 0).masked_fill(cm == 0, tok.pad_token_id)
+    assert torch.equal(c, hf)  # rows 3i..3i+2 are prompt i's, all equal under greedy decoding
+
+
+def test_sampling_filters_keep_top_k_and_the_nucleus():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
+    torch.manual_seed(0)
+    assert set(common._next_token(logits, 1.0, 1.0, 2, True).tolist()) == {0, 1}
+    probs = logits[0].softmax(-1)  # 0.64, 0.23, 0.09, ...: the 0.8-nucleus is the first two tokens
+    assert set(common._next_token(logits, 1.0, 0.8, 0, True).tolist()) == {0, 1}
+    assert set(common._next_token(logits, 1.0, float(probs[0]) - 1e-3, 0, True).tolist()) == {0}
+    assert common._next_token(logits, 1.0, 1.0, 0, False).eq(0).all()
+    full = common._next_token(logits, 1.0, 1.0, 0, True)
+    assert abs((full == 2).float().mean() - probs[2]) < 0.03  # plain sampling follows the softmax
+
+
 def test_encode_pads_and_eos():
     tok = world.build_tokenizer()
     ids, mask = common.encode_prompts(tok, ["POST: a b", "POST: alice bought the bike . TL;DR:"], max_length=4)

@@ -117,6 +117,25 @@ def test_precomputed_and_live_reference_give_the_same_loss(loss_type):
     assert abs(precomputed.mean().item() - (math.log(2) if loss_type == "sigmoid" else 25.0)) > 1e-3  # it moved
 
 
+def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    prompts, chosen, rejected = _pairs(4)
+    batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args())
+    chosen_logps, _ = dpo.pair_logps(model, *batch, "sigmoid")
+    c_mask = batch[3][:4]
+    nll = dpo.chosen_nll(chosen_logps, c_mask, "sigmoid")
+    # the same number from a full log-softmax: mean over pairs of each chosen response's token mean
+    p_ids, p_mask, c_ids = batch[0], batch[1], batch[2][:4]
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids(mask)).logits
+    logp = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
+    expected = -((logp * c_mask).sum(1) / c_mask.sum(1)).mean()
+    torch.testing.assert_close(nll, expected, atol=1e-5, rtol=1e-5)
+    ipo_logps, _ = dpo.pair_logps(model, *batch, "ipo")  # ipo's log-probs are already token means
+    torch.testing.assert_close(dpo.chosen_nll(ipo_logps, c_mask, "ipo"), expected, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ end to end
 def _write_prefs(path, n=12):
     prompts, chosen, rejected = _pairs(n)
@@ -207,8 +226,9 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     rl_prompts, posts = list(rl["prompt"]), list(rl["post"])
     batch, stats = dpo.sample_pairs(model, tok, rl_prompts, {"post": posts}, judge, _online_args())
     prompts, completions, columns = calls[0]
-    assert prompts == rl_prompts * 2 and columns["post"] == posts * 2
-    scores = judge(prompts, completions, columns).view(2, -1)
+    twice = [p for p in rl_prompts for _ in (0, 1)]  # the two samples of a prompt are adjacent rows
+    assert prompts == twice and columns["post"] == [p for p in posts for _ in (0, 1)]
+    scores = judge(prompts, completions, columns).view(-1, 2).t()  # (2, B): first and second samples
     n = 8 - stats["ties"]
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
