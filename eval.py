@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 import common
+import world
 from common import TrainArgs
 
 REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
@@ -334,17 +335,19 @@ def markdown_report(results, names, has_reference):
     head += ["win rate vs reference (95% CI)"] if has_reference else []
     head += [f"{score_name} (95% CI)"] if score_name else []
     head += ["mean words"]
+    counts = "gold_counts" in results["policies"][anchor]  # the embedded gold judge: its terms per summary
+    head += ["facts missed", "unsupported clauses"] if counts else []
     rows = []
     for name in names:
         e, p = results["elo"][name], results["policies"][name]
         row = [name, fmt_ci(e["elo"], e["ci_low"], e["ci_high"], 0), cell(name, anchor) if name != anchor else "-"]
         row += [cell(name, REFERENCE)] if has_reference else []
         row += [fmt_ci(p["score"], p["score_ci_low"], p["score_ci_high"], 3)] if score_name else []
-        rows.append(row + [f"{p['mean_length']:.1f}"])
+        rows.append(row + [f"{p['mean_length']:.1f}"] + _counts(p, counts))
     if has_reference:
         ref = results["reference"]
         row = [REFERENCE, "-", "-", "-"] + ([fmt_ci(ref["score"], ref["score_ci_low"], ref["score_ci_high"], 3)] if score_name else [])
-        rows.append(row + [f"{ref['mean_length']:.1f}"])
+        rows.append(row + [f"{ref['mean_length']:.1f}"] + _counts(ref, counts))
     lines = [f"# eval: judge {s['judge']}" + (f" ({s['reward_fn']})" if s["judge"] == "gold" else ""), "",
              f"{s['num_prompts']} prompts from {s['dataset']}, {'sampled' if s['do_sample'] else 'greedy'}, "
              f"{s['max_completion_length']} new tokens at most; 95% CIs from {s['num_bootstrap']} paired bootstrap "
@@ -357,6 +360,10 @@ def markdown_report(results, names, has_reference):
     lines += [f"| {r['policy_a']} | {r['policy_b']} | {r['wins']} | {r['ties']} | {r['losses']} | "
               f"{cell(r['policy_a'], r['policy_b'])} |" for r in results["pairwise"]]
     return "\n".join(lines) + "\n"
+
+
+def _counts(policy, show):
+    return [f"{policy['gold_counts']['missed']:.2f}", f"{policy['gold_counts']['unsupported']:.2f}"] if show else []
 
 
 def plot_intervals(path, labels, values, lows, highs, xlabel, line, title, xlim=None):
@@ -483,6 +490,9 @@ def main():
         if scores is not None:
             row["score"], row["score_ci_low"], row["score_ci_high"] = mean_ci(scores[name], idx)
         row["mean_length"] = float(np.mean([len(t.split()) for t in responses[name]]))  # words
+        if kind == "gold" and args.reward_fn == "gold":  # the embedded judge's terms: what went wrong, per summary
+            counts = [world.gold_counts(post, t) for post, t in zip(columns["post"], responses[name])]
+            row["gold_counts"] = {k: float(np.mean([c[k] for c in counts])) for k in ("missed", "unsupported", "repeated", "excess")}
         return row
 
     results = {

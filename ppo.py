@@ -219,6 +219,7 @@ def main():
     for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
         if getattr(args, name) < 1:
             common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    common.single_process("ppo.py")
     common.set_seed(args.seed)
     device = common.device()
     offload_device = torch.device("cpu") if args.offload_frozen else device
@@ -262,10 +263,13 @@ def main():
     updates_per_step = args.num_ppo_epochs * args.num_mini_batches
     scheduler = common.make_scheduler(optimizer, dataclasses.replace(
         args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
-    logger = common.MetricsLogger(args)
+    # --resume: policy weights, critic, optimizer (both models), scheduler and RNG; 0 if not resuming
+    start_step = common.maybe_resume(args, policy, optimizer, scheduler, critic=critic)
+    logger = common.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, desc="ppo")
+    pbar = common.progress(args, start_step, desc="ppo")
+    final = {}  # the last step's reward and KL, for summary.json
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (common.generate), in micro-batches
@@ -359,13 +363,15 @@ def main():
                 "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
                 "episode": (step + 1) * rollout_batch, "step_time": time.time() - t0}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+            common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   common.training_state(step + 1, optimizer, scheduler, critic=critic))
+        final = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean())}
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation
     logger.close()
     common.save_final(policy, tokenizer, args)
-    summary = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean()),
+    summary = {**final,
                "memory_bytes": {"policy": common.tensor_bytes(policy), "ref_policy": common.tensor_bytes(ref_policy),
                                 "critic": common.tensor_bytes(critic),
                                 "reward_model": common.tensor_bytes(reward_model) if reward_model is not None else 0,

@@ -103,6 +103,7 @@ def main():
     args = common.parse_args(Args, "reward")
     if args.eval_steps < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
         common.fail("--eval_steps must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
+    common.single_process("reward.py")
     common.set_seed(args.seed)
     device = common.device()
 
@@ -136,10 +137,11 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    logger = common.MetricsLogger(args)
+    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = common.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, desc="reward")
+    pbar = common.progress(args, start_step, desc="reward")
     for step in pbar:
         rows = []
         for micro in range(args.gradient_accumulation_steps):
@@ -163,7 +165,8 @@ def main():
                 metrics.update({f"eval_{k}": v for k, v in ev.items()})
             logger.log(step + 1, metrics, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}")
+            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   common.training_state(step + 1, optimizer, scheduler))
 
     # ---- final evaluation: test and (an equal-sized slice of) train accuracy
     test, test_chosen, test_rejected = evaluate(model, tokenizer, test_triples, args)
@@ -186,9 +189,16 @@ def main():
         ceiling = torch.where(gold == 0, 0.5, (gold > 0).float())
         summary.update(test_gold_accuracy=float(agree.mean()), test_label_ceiling=float(ceiling.mean()),
                        label_ceiling=world.world_stats(common.embedded_world(args.seed))["label_ceiling"])
+        # what the model can see: accuracy on minimal pairs (reference vs. one error of one kind, test posts)
+        probes = world.probe_pairs(common.embedded_world(args.seed)["test"], args.seed)
+        summary["probe_accuracy"] = {kind: evaluate(model, tokenizer, render(tokenizer, list(zip(*texts))), args)[0]["accuracy"]
+                                     for kind, texts in probes.items()}
     print(f"reward: test accuracy {test['accuracy']:.3f} (train {train['accuracy']:.3f}"
           + (f", label ceiling {summary['label_ceiling']:.3f} (test pairs {summary['test_label_ceiling']:.3f}), vs gold {summary['test_gold_accuracy']:.3f}" if "label_ceiling" in summary else "")
           + f"), margin {test['margin']:.3f}, reward_mean {reward_mean:.3f}")
+    if "probe_accuracy" in summary:
+        print("reward: accuracy on minimal pairs (reference vs. one error): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in summary["probe_accuracy"].items()))
     if not math.isfinite(test["loss"]):
         common.fail("the reward model's test loss is not finite: lower --learning_rate.")
 

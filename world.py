@@ -110,10 +110,10 @@ def key_facts(post):
     return facts
 
 
-def gold_score(post, summary):
-    """The gold judge: deterministic, rule-based score of a summary of a post (formula above)."""
+def gold_counts(post, summary):
+    """The terms of the gold judge's formula: key facts `missed` (n - covered), `unsupported`
+    and `repeated` clauses, `excess` words, and `n`."""
     facts = key_facts(post)
-    n = max(len(facts), 1)
     covered, unsupported, repeated = set(), 0, 0
     for clause in _clauses(summary):
         f = _fact(clause)
@@ -123,9 +123,16 @@ def gold_score(post, summary):
             repeated += 1
         else:
             covered.add(f)
-    excess = max(0, len(_words(summary)) - 4 * len(facts))
-    score = (len(covered) - W_UNSUPPORTED * unsupported - W_REPEATED * repeated) / n
-    return max(-1.0, min(1.0, score - W_EXCESS_WORD * excess))
+    return {"n": len(facts), "missed": len(facts) - len(covered), "unsupported": unsupported, "repeated": repeated,
+            "excess": max(0, len(_words(summary)) - 4 * len(facts))}
+
+
+def gold_score(post, summary):
+    """The gold judge: deterministic, rule-based score of a summary of a post (formula above)."""
+    c = gold_counts(post, summary)
+    n = max(c["n"], 1)
+    score = (c["n"] - c["missed"] - W_UNSUPPORTED * c["unsupported"] - W_REPEATED * c["repeated"]) / n
+    return max(-1.0, min(1.0, score - W_EXCESS_WORD * c["excess"]))
 
 
 def post_from_prompt(prompt):
@@ -276,6 +283,43 @@ def write_jsonl(world, folder):
         with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
             for row in ds:
                 f.write(json.dumps(row) + "\n")
+
+
+def probe_pairs(split, seed=0):
+    """Minimal pairs for a reward model: the reference TL;DR of each post against a copy with
+    one error of one kind, so accuracy on each kind says what the reward model can see.
+
+    - `omission`:  one fact left out (what lazy annotators do);
+    - `wrong_object`: one fact's object taken from another fact of the post (the slip a
+      from-scratch policy makes most: "bob lost bike" where the post says bob lost the phone);
+    - `wrong_action`: one fact's action taken from another fact of the post, or any other action
+      when all facts share it;
+    - `wrong_person`: one fact's person replaced by someone the post never names.
+    Returns {kind: (prompts, good, bad)}, lists of texts; the gold judge prefers every good one.
+    """
+    rng = random.Random(seed)
+    out = {k: ([], [], []) for k in ("omission", "wrong_object", "wrong_action", "wrong_person")}
+    for row in split:
+        facts = key_facts(row["post"])
+        named = set(_words(row["post"]))
+        for kind, (prompts, good, bad) in out.items():
+            f = list(facts)
+            i = rng.randrange(len(f))
+            p, a, o = f[i]
+            if kind == "omission":
+                f.pop(i)
+            elif kind == "wrong_object":
+                others = [x[2] for x in facts if x[2] != o] or [x for x in OBJECTS if x != o]
+                f[i] = (p, a, rng.choice(others))
+            elif kind == "wrong_action":
+                others = [x[1] for x in facts if x[1] != a] or [x for x in ACTIONS if x != a]
+                f[i] = (p, rng.choice(others), o)
+            else:
+                f[i] = (rng.choice([x for x in PEOPLE if x not in named]), a, o)
+            prompts.append(row["prompt"])
+            good.append(" " + reference_summary(facts))
+            bad.append(" " + reference_summary(f))
+    return out
 
 
 # ---------------------------------------------------------------- tokenizer and tiny model

@@ -164,6 +164,14 @@ def test_end_to_end(tiny_folders):
     assert results["reference"]["score"] == pytest.approx(1.0)
     for name, p in results["policies"].items():
         assert p["score_ci_low"] <= p["score"] <= p["score_ci_high"] and p["mean_length"] > 0
+    # the gold judge's terms per summary, recomputed from the generations
+    gens = read_jsonl(out / "generations.jsonl")
+    test = world.build_world()["test"]
+    posts = {row["prompt"]: row["post"] for row in test.select(range(24))}
+    missed = [world.gold_counts(posts[g["prompt"]], g["responses"]["pi1"])["missed"] for g in gens]
+    assert results["policies"]["pi1"]["gold_counts"]["missed"] == pytest.approx(sum(missed) / len(missed))
+    assert results["reference"]["gold_counts"] == {"missed": 0.0, "unsupported": 0.0, "repeated": 0.0, "excess": 0.0}
+    assert "facts missed" in (out / "results.md").read_text()
 
     # recomputing every win rate from judgments.jsonl gives the number in results.json
     judgments = read_jsonl(out / "judgments.jsonl")
@@ -188,6 +196,6 @@ def test_end_to_end(tiny_folders):
     judgments = read_jsonl(out_llm / "judgments.jsonl")
     assert all(0 <= j["prob_a"] <= 1 and (j["winner"] == "tie") == (j["prob_a"] == 0.5) for j in judgments)
     llm_results = json.loads((out_llm / "results.json").read_text())
-    assert "score" not in llm_results["policies"]["pi0"]
+    assert "score" not in llm_results["policies"]["pi0"] and "gold_counts" not in llm_results["policies"]["pi0"]
     gens = [json.loads(line) for line in open(out_llm / "generations.jsonl")]
     assert gens == read_jsonl(out / "generations.jsonl")

@@ -140,3 +140,79 @@ def test_online_dpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
     assert _metrics(crashed) == _metrics(full)  # same samples, same judge scores, same losses
     a, b = _weights(full), _weights(crashed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _without_step_time(rows):
+    return [{k: v for k, v in r.items() if k != "step_time"} for r in rows]  # wall-clock differs between runs
+
+
+def test_ppo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
+    """Four models' worth of state: policy weights, the critic, one optimizer over both, RNG."""
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    argv = ["ppo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:length",
+            "--max_steps", "4", "--batch_size", "2", "--num_mini_batches", "2", "--max_completion_length", "5",
+            "--save_steps", "2", "--learning_rate", "1e-2"]
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
+    _finish(ref)
+    assert [r["step"] for r in _metrics(crashed)] == [1, 2, 3, 4]
+    out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
+    assert f"continuing from {crashed}/checkpoint-2 at step 2" in out
+    assert _without_step_time(_metrics(crashed)) == _without_step_time(_metrics(full))  # vf_loss: the critic too
+    a, b = _weights(full), _weights(crashed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(os.path.join(crashed, "checkpoint-4", "trainer_state.pt"), weights_only=True)
+    assert state["step"] == 4 and "critic" in state
+
+
+def test_reward_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
+    import world
+
+    prefs = tmp_path / "prefs.jsonl"
+    with open(prefs, "w") as f:
+        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "rl": 1, "test": 1})["prefs"]:
+            f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    argv = ["reward.py", "--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "6", "--batch_size", "4",
+            "--save_steps", "3", "--eval_steps", "0", "--learning_rate", "3e-3"]
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-6"}), -signal.SIGKILL)
+    _finish(ref)
+    out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
+    assert f"continuing from {crashed}/checkpoint-3 at step 3" in out
+    assert _metrics(crashed) == _metrics(full)
+    assert json.load(open(os.path.join(crashed, "summary.json"))) == json.load(open(os.path.join(full, "summary.json")))
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "reward.py"])
+def test_one_process_scripts_refuse_torchrun(script):
+    proc = _launch(script, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and f"launch it with `python {script}`" in err
+
+
+def test_grpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    argv = ["grpo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:length",
+            "--max_steps", "4", "--batch_size", "2", "--num_generations", "4", "--max_completion_length", "5",
+            "--num_iterations", "2", "--save_steps", "2", "--learning_rate", "1e-2"]
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
+    _finish(ref)
+    out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
+    assert f"continuing from {crashed}/checkpoint-2 at step 2" in out
+    assert _metrics(crashed) == _metrics(full)
+    a, b = _weights(full), _weights(crashed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -65,6 +65,9 @@ def test_reward_end_to_end_on_the_embedded_world(tmp_path, tiny_qwen):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert 0 <= summary["test_accuracy"] <= 1 and 0 <= summary["train_accuracy"] <= 1
     assert summary["label_ceiling"] == pytest.approx(0.798375) and 0 <= summary["test_gold_accuracy"] <= 1
+    probes = summary["probe_accuracy"]
+    assert set(probes) == {"omission", "wrong_object", "wrong_action", "wrong_person"}
+    assert all(0 <= v <= 1 for v in probes.values()) and "minimal pairs" in proc.stdout
     # reward_mean travels with the model, and the saved folder loads as a reward model
     rm, tok = common.load_reward_model(out, type("A", (), {"dtype": "float32", "attn_implementation": "sdpa",
                                                             "trust_remote_code": False}))

@@ -103,3 +103,20 @@ def test_tokenizer_round_trip_and_specials(small_world):
         ids = tok(text)["input_ids"]
         assert tok.unk_token_id not in ids
         assert tok(tok.decode(ids))["input_ids"] == ids
+
+
+def test_probe_pairs_each_hold_one_error_of_their_kind(small_world):
+    probes = world.probe_pairs(small_world["test"])
+    for kind, (prompts, good, bad) in probes.items():
+        assert len(prompts) == len(small_world["test"])
+        for prompt, g, b in zip(prompts, good, bad):
+            post = world.post_from_prompt(prompt)
+            assert world.gold_score(post, g) == 1.0 and world.gold_score(post, b) < 1.0, (kind, b)
+            gw, bw = world._clauses(g), world._clauses(b)
+            if kind == "omission":
+                assert len(bw) == len(gw) - 1
+            else:  # one clause differs, in exactly the slot its kind names
+                diff = [(x, y) for x, y in zip(gw, bw) if x != y]
+                slot = {"wrong_person": 0, "wrong_action": 1, "wrong_object": 2}[kind]
+                assert len(bw) == len(gw) and len(diff) == 1
+                assert [i for i in range(3) if diff[0][0][i] != diff[0][1][i]] == [slot]
