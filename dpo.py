@@ -24,6 +24,7 @@ Departures from the paper and from TRL:
   (it *is* the reference then), so with precompute on no second model is ever loaded: peak
   memory holds one model's weights, not two for a while. TRL loads a reference and drops it.
   (TRL names this flag precompute_ref_log_probs.)
+- `--rpo_alpha` adds RPO's NLL term on the chosen responses (off by default, as in TRL).
 - `ipo` uses per-token mean log-probs, as TRL does (Azar et al. 2023 leave this open); `sigmoid`
   and `robust` use sums, as in the DPO paper.
 - Online: pairs whose two samples get equal scores carry no preference; they are skipped and
@@ -106,10 +107,11 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 
 def chosen_nll(chosen_logps, chosen_mask, loss_type):
-    """RPO's extra term (Pang et al. 2024, Eq. 3): the negative log-likelihood of the chosen
-    responses per token, mean over pairs. DPO alone only widens the margin and can lower the
-    likelihood of y_w too; this keeps raising it. `chosen_logps` are pair_logps' values (sums,
-    or per-token means for ipo), `chosen_mask` (B, C) their completion mask."""
+    """RPO's extra term (Pang et al. 2024, Iterative Reasoning Preference Optimization): the
+    negative log-likelihood of the chosen responses per token, mean over pairs. DPO alone only
+    widens the margin and can lower the likelihood of y_w too; this keeps raising it.
+    `chosen_logps` are pair_logps' values (sums, or per-token means for ipo), `chosen_mask`
+    (B, C) their completion mask."""
     per_token = chosen_logps if loss_type == "ipo" else chosen_logps / chosen_mask.sum(1).clamp(min=1)
     return -per_token.mean()
 
