@@ -457,6 +457,14 @@ def load_data(spec, split="train"):
     return load_dataset(spec, split=split)
 
 
+def training_data(args, world_split):
+    """The script's --dataset: on the embedded world its `world_split` split (sft, prefs or rl),
+    otherwise load_data(--dataset, --dataset_split)."""
+    if args.dataset == EMBEDDED:
+        return embedded_world(args.seed)[world_split]
+    return load_data(args.dataset, args.dataset_split)
+
+
 def check_jsonl(path):
     with open(path) as f:
         n = 0
@@ -886,6 +894,15 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, m
         mask = torch.cat([p_mask, c_mask], 1).to(model.device)
         scores.append(sequence_scores(model, ids, mask).cpu())
     return torch.cat(scores)
+
+
+def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
+    """Reward-model scores of dataset prompts (text or conversations) and their completions (text,
+    or assistant messages), rendered through the reward model's own tokenizer and chat template,
+    as reward.py rendered its training pairs: (N,) on the CPU."""
+    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    answers = [render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_length)
 
 
 # ============================================================================ the embedded world

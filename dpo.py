@@ -164,9 +164,7 @@ def make_judge(args, world_data):
         rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
 
         def judge(prompts, completions, columns):
-            texts = [common.render_prompt(rm_tokenizer, p) for p in prompts]
-            completions = [common.render_completion(rm_tokenizer, p, c) for p, c in zip(prompts, completions)]
-            return common.reward_model_scores(rm, rm_tokenizer, texts, completions, args.eval_batch_size)
+            return common.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size)
 
         return judge, rm
     if not args.reward_fn and not world_data:
@@ -245,10 +243,7 @@ def main():
     model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
-    if embedded:
-        ds = common.embedded_world(args.seed)["rl" if args.online else "prefs"]
-    else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+    ds = common.training_data(args, "rl" if args.online else "prefs")
     if args.online:
         common.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
         common.check_text(ds, ["prompt"], args.dataset)

@@ -72,7 +72,7 @@ class Args(TrainArgs):
     epsilon: float = field(default=0.2, metadata={"help": "Clip range: the ratio is clipped below at 1 - epsilon."})
     epsilon_high: float = field(default=0.0, metadata={"help": "Upper clip 1 + epsilon_high (DAPO clip-higher, e.g. 0.28); 0: same as --epsilon."})
     dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip c > 1: for A < 0 the objective is bounded below by c*A; 0 disables."})
-    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy and needs no extra forward pass."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy. log pi_old comes from the first update's forward, so reuse costs no extra pass."})
     loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the batch)."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, else group."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
@@ -193,10 +193,7 @@ def score(rewards, prompts, texts, columns, args):
             out.append(common.call_reward_fn(thing, prompts, completions, columns))
         else:  # a reward model reads the text through its own tokenizer and chat template
             model, tokenizer = thing
-            rendered = [common.render_prompt(tokenizer, p) for p in prompts]
-            answers = [common.render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
-            scores = common.reward_model_scores(model, tokenizer, rendered, answers, args.eval_batch_size,
-                                                args.max_prompt_length)
+            scores = common.score_texts(model, tokenizer, prompts, completions, args.eval_batch_size, args.max_prompt_length)
             out.append(scores - getattr(model.config, "reward_mean", 0.0))  # reward.py's training mean
     return torch.stack(out, 1)  # (N, K)
 
@@ -224,10 +221,7 @@ def main():
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
-    if args.dataset == common.EMBEDDED:
-        ds = common.embedded_world(args.seed)["rl"]
-    else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+    ds = common.training_data(args, "rl")
     common.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
     common.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
@@ -297,28 +291,29 @@ def main():
                 if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
                     completion_mask = completion_mask * (~truncated[:, None]).long()
 
-                # 4. log-probs of the sampling policy (only when reused) and of the reference
-                with torch.no_grad():
-                    old_logprobs = ref_logprobs = None
-                    if args.num_iterations > 1:
-                        old_logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
-                                                                  completion_mask, args.temperature)
-                    if ref_model is not None:
+                # 4. log-probs of the reference (those of the sampling policy come with the first update)
+                ref_logprobs = None
+                if ref_model is not None:
+                    with torch.no_grad():
                         ref_logprobs = common.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
                                                                   completion_mask, args.temperature)
-                batches.append((prompt_ids, prompt_mask, completion_ids, completion_mask, advantages,
-                                old_logprobs, ref_logprobs))
+                batches.append((prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logprobs))
+            old_logprobs = [None] * len(batches)  # log pi_old per micro-batch, kept for the rollout's later updates
             # normalisers of the whole optimizer batch, so accumulated micro-batches sum to one loss
             num_sequences = sum(b[2].shape[0] for b in batches)
             num_tokens = sum(b[3].sum() for b in batches).clamp(min=1)
 
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
-        for prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs in batches:
+        for i, (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logprobs) in enumerate(batches):
             logprobs, entropy = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
                                                            completion_mask, args.temperature, with_entropy=True)
-            # on-policy (num_iterations == 1): pi_old == pi, so the ratio is exactly 1 with pi's gradient
-            old = logprobs.detach() if old_logprobs is None else old_logprobs
+            # the rollout's first update runs on the weights that sampled it, so pi_old == pi here: the
+            # ratio is exactly 1 with pi's gradient, and no extra forward pass is needed for pi_old;
+            # later updates of the same rollout (--num_iterations > 1) reuse these log-probs
+            if old_logprobs[i] is None:
+                old_logprobs[i] = logprobs.detach()
+            old = old_logprobs[i]
             loss, metrics = grpo_loss(logprobs, old, ref_logprobs, advantages, completion_mask, args,
                                       num_sequences, num_tokens)
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights

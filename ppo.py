@@ -225,10 +225,7 @@ def main():
     offload_device = torch.device("cpu") if args.offload_frozen else device
 
     # ---- data: prompts, plus any other columns for --reward_fn
-    if args.dataset == common.EMBEDDED:
-        ds = common.embedded_world(args.seed)["rl"]
-    else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+    ds = common.training_data(args, "rl")
     common.require_columns(ds, ["prompt"], args.dataset, "PPO needs a 'prompt' column.")
     common.check_text(ds, ["prompt"], args.dataset)
     raw_prompts = ds["prompt"]

@@ -108,10 +108,7 @@ def main():
     device = common.device()
 
     # ---- data: (prompt, chosen, rejected), a held-out test part
-    if args.dataset == common.EMBEDDED:
-        ds = common.embedded_world(args.seed)["prefs"]
-    else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+    ds = common.training_data(args, "prefs")
     if args.eval_dataset:
         train_ds, test_ds = ds, common.load_data(args.eval_dataset, "test")
         test_triples = common.preference_triples(test_ds, args.eval_dataset)

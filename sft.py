@@ -75,10 +75,7 @@ def main():
     model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: (prompt, completion) pairs rendered to text
-    if args.dataset == common.EMBEDDED:
-        ds = common.embedded_world(args.seed)["sft"]
-    else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+    ds = common.training_data(args, "sft")
     pairs = common.sft_pairs(ds, args.dataset)
     prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
     completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]

@@ -43,6 +43,27 @@ def _weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def _prompts_and_length_reward(tmp_path, n, scale):
+    """A prompt-only .jsonl of n prompts and a reward file whose `length` scores scale * len(completion)."""
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(f"def length(prompts, completions, **kw):\n    return [{scale} * len(c) for c in completions]\n")
+    return str(prompts), f"{rewards}:length"
+
+
+def _full_and_crashed(tmp_path, argv, crash_at):
+    """Run argv to the end in <tmp>/full, and again in <tmp>/crashed killed while saving checkpoint-<crash_at>."""
+    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
+    ref = _launch(*argv, "--output_dir", full)
+    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": f"checkpoint-{crash_at}"}),
+            -signal.SIGKILL)
+    _finish(ref)
+    return full, crashed
+
+
 def test_sft_resumes_exactly_after_sigkill(tmp_path, tiny_qwen, sft_data):
     # default --optim adamw_8bit: the 8-bit states must survive the round trip exactly
     argv = ["sft.py", "--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "8", "--batch_size", "4",
@@ -120,19 +141,11 @@ def test_training_state_round_trips_optimizer_scheduler_and_rng(tmp_path, tiny_q
 
 def test_online_dpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
     """An RL script whose batches are *sampled*: exact resumption needs the RNG states too."""
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text("def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
-    argv = ["dpo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--online", "--reward_fn", f"{rewards}:length",
+    prompts, reward_fn = _prompts_and_length_reward(tmp_path, 16, 1.0)
+    argv = ["dpo.py", "--model", tiny_qwen, "--dataset", prompts, "--online", "--reward_fn", reward_fn,
             "--max_steps", "5", "--batch_size", "4", "--max_new_tokens", "6", "--save_steps", "2",
             "--learning_rate", "1e-2", "--warmup_steps", "0"]
-    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
-    ref = _launch(*argv, "--output_dir", full)
-    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
-    _finish(ref)
+    full, crashed = _full_and_crashed(tmp_path, argv, 4)
     assert [r["step"] for r in _metrics(crashed)] == [1, 2, 3, 4]
     # --resume_from_checkpoint names the folder explicitly
     out = _finish(_launch(*argv, "--output_dir", crashed, "--resume_from_checkpoint", f"{crashed}/checkpoint-2"))
@@ -148,19 +161,11 @@ def _without_step_time(rows):
 
 def test_ppo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
     """Four models' worth of state: policy weights, the critic, one optimizer over both, RNG."""
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
-    argv = ["ppo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:length",
+    prompts, reward_fn = _prompts_and_length_reward(tmp_path, 12, 0.1)
+    argv = ["ppo.py", "--model", tiny_qwen, "--dataset", prompts, "--reward_fn", reward_fn,
             "--max_steps", "4", "--batch_size", "2", "--num_mini_batches", "2", "--max_completion_length", "5",
             "--save_steps", "2", "--learning_rate", "1e-2"]
-    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
-    ref = _launch(*argv, "--output_dir", full)
-    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
-    _finish(ref)
+    full, crashed = _full_and_crashed(tmp_path, argv, 4)
     assert [r["step"] for r in _metrics(crashed)] == [1, 2, 3, 4]
     out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
     assert f"continuing from {crashed}/checkpoint-2 at step 2" in out
@@ -180,10 +185,7 @@ def test_reward_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
             f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
     argv = ["reward.py", "--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "6", "--batch_size", "4",
             "--save_steps", "3", "--eval_steps", "0", "--learning_rate", "3e-3"]
-    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
-    ref = _launch(*argv, "--output_dir", full)
-    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-6"}), -signal.SIGKILL)
-    _finish(ref)
+    full, crashed = _full_and_crashed(tmp_path, argv, 6)
     out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
     assert f"continuing from {crashed}/checkpoint-3 at step 3" in out
     assert _metrics(crashed) == _metrics(full)
@@ -198,19 +200,11 @@ def test_one_process_scripts_refuse_torchrun(script):
 
 
 def test_grpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
-    rewards = tmp_path / "rewards.py"
-    rewards.write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
-    argv = ["grpo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:length",
+    prompts, reward_fn = _prompts_and_length_reward(tmp_path, 12, 0.1)
+    argv = ["grpo.py", "--model", tiny_qwen, "--dataset", prompts, "--reward_fn", reward_fn,
             "--max_steps", "4", "--batch_size", "2", "--num_generations", "4", "--max_completion_length", "5",
             "--num_iterations", "2", "--save_steps", "2", "--learning_rate", "1e-2"]
-    full, crashed = str(tmp_path / "full"), str(tmp_path / "crashed")
-    ref = _launch(*argv, "--output_dir", full)
-    _finish(_launch(*argv, "--output_dir", crashed, env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"}), -signal.SIGKILL)
-    _finish(ref)
+    full, crashed = _full_and_crashed(tmp_path, argv, 4)
     out = _finish(_launch(*argv, "--output_dir", crashed, "--resume"))
     assert f"continuing from {crashed}/checkpoint-2 at step 2" in out
     assert _metrics(crashed) == _metrics(full)
