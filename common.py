@@ -647,7 +647,9 @@ def _cache_keyword(cls):
 
 def is_checkpointing(model):
     """Whether activation (gradient) checkpointing is on; transformers 5 renamed the attribute."""
-    return bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
