@@ -18,7 +18,8 @@ demo: install
 	$(PYTHON) dpo.py
 	$(PYTHON) dpo.py --online
 	$(PYTHON) grpo.py
-	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo
+	$(PYTHON) grpo.py --reward_model runs/reward --output_dir runs/grpo_rm
+	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo runs/grpo_rm
 
 test: install
 	$(PYTHON) -m pytest -q tests

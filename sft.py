@@ -35,7 +35,7 @@ class Args(TrainArgs):
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only: number of layers of the tiny Qwen2."})
     # optimisation (defaults train the tiny model from scratch; use ~2e-5 for a pretrained one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
-    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (2e-3 suits the from-scratch model; ~2e-5 a pretrained one)."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate (1e-3 suits the from-scratch model; ~2e-5 a pretrained one)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
     warmup_steps: int = field(default=30, metadata={"help": "Linear warm-up steps."})
     batch_size: int = field(default=32, metadata={"help": "Examples per micro-batch."})

@@ -163,6 +163,8 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["kl"] > 0
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert -1 <= summary["gold_score"] <= 1
+    # --scale_rewards auto: the group's std with a verifier (the design document's formula)
+    assert json.load(open(os.path.join(out, "args.json")))["scale_rewards"] == "group"
     from transformers import AutoModelForCausalLM
 
     for folder in (out, os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")):
@@ -193,8 +195,10 @@ def test_grpo_any_model_with_user_reward_and_reward_model(tmp_path, tiny_llama):
     run_script("grpo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{rewards}:mentions",
                "--reward_model", str(rm), "--reward_weights", "1,0.5", "--output_dir", out, "--max_steps", "2",
                "--batch_size", "3", "--num_generations", "2", "--max_completion_length", "6", "--beta", "0",
-               "--loss_type", "dr_grpo", "--mask_truncated_completions")
+               "--loss_type", "dapo", "--mask_truncated_completions")
     rows = _metrics(out)
+    # --scale_rewards auto: the batch's std when a reward model is among the rewards
+    assert json.load(open(os.path.join(out, "args.json")))["scale_rewards"] == "batch"
     assert "rewards/mentions/mean" in rows[0] and "rewards/rm/mean" in rows[0] and "kl" not in rows[0]
     for r in rows:  # the total is the weighted sum of the sources
         assert math.isclose(r["reward"], r["rewards/mentions/mean"] + 0.5 * r["rewards/rm/mean"], abs_tol=1e-5)
