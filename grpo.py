@@ -31,10 +31,10 @@ Departures from the paper and from TRL:
   dividing by that group's std turns the noise into full-size advantages, and the policy chases
   it: on the embedded world, `--reward_model runs/reward` with group scaling fell from 0.68 to
   0.27 gold at lr 5e-5 (copying facts wrongly, which the reward model can't see), with batch
-  scaling it rose to 0.86. A verifier's tied rewards give std 0 and A = 0 instead.
+  scaling it rose to 0.91. A verifier's tied rewards give std 0 and A = 0 instead.
 - `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
-- The defaults are tuned for the tiny from-scratch policy in runs/sft: lr 1e-4, 32-token
+- The defaults are tuned for the tiny from-scratch policy in runs/sft: lr 5e-5, 32-token
   completions, temperature 0.7 (TRL: 1.0). At 1.0 its samples score far below its greedy output
   (gold -0.38 vs 0.61 for the earlier, 2-KV-head runs/sft), the group baseline then favours the empty summary (gold 0), and the
   policy collapses to it within ten steps. For a pretrained model use TRL-like values
@@ -84,7 +84,7 @@ class Args(TrainArgs):
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
     # optimisation (defaults fit the tiny runs/sft policy; use ~1e-6 for a pretrained model)
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
-    learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate (1e-4 suits the tiny runs/sft policy; ~1e-6 a pretrained one)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate (5e-5 suits the tiny runs/sft policy; ~1e-6 a pretrained one)."})
     batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch; each yields --num_generations completions."})
     eval_batch_size: int = field(default=200, metadata={"help": "Prompts per generation batch when scoring the test split."})
 
