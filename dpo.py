@@ -32,7 +32,8 @@ Departures from the paper and from TRL:
   (fresh samples need fresh reference log-probs), so online DPO holds two models.
 - With no arguments, it trains the from-scratch policy in runs/sft on the embedded world. The
   learning-rate defaults suit that tiny model: 1e-5 offline (on an earlier runs/sft with shared
-  KV heads, larger steps on the noisy labels lowered its greedy gold score), 3e-4 online; use ~5e-7 for a pretrained model, as in the paper.
+  KV heads, larger steps on the noisy labels lowered its greedy gold score), 3e-4 online; use
+  ~5e-7 for a pretrained model, as in the paper.
   Online samples at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
 Run:

@@ -36,8 +36,8 @@ Departures from the paper and from TRL:
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
 - The defaults are tuned for the tiny from-scratch policy in runs/sft: lr 5e-5, 32-token
   completions, temperature 0.7 (TRL: 1.0). At 1.0 its samples score far below its greedy output
-  (gold -0.38 vs 0.61 for the earlier, 2-KV-head runs/sft), the group baseline then favours the empty summary (gold 0), and the
-  policy collapses to it within ten steps. For a pretrained model use TRL-like values
+  (gold -0.38 vs 0.61 for the earlier, 2-KV-head runs/sft), the group baseline then favours the
+  empty summary (gold 0), and the policy collapses to it within ten steps. For a pretrained model use TRL-like values
   (--learning_rate 1e-6, --temperature 1.0, longer completions).
 
 Run:
@@ -246,7 +246,8 @@ def main():
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
     column_values = {c: ds[c] for c in extra_columns}
     print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
-          f"(weights {weights.tolist()}, --scale_rewards {args.scale_rewards}), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"(weights {weights.tolist()}, --scale_rewards {args.scale_rewards}), "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.batch_size} x {G} completions per micro-batch, device {device}")
 
     # ---- optimizer
