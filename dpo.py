@@ -31,8 +31,8 @@ Departures from the paper and from TRL:
   counted (`ties`), where TRL keeps them with an arbitrary label. The reference stays loaded
   (fresh samples need fresh reference log-probs), so online DPO holds two models.
 - With no arguments, it trains the from-scratch policy in runs/sft on the embedded world. The
-  learning-rate defaults suit that tiny model: 1e-5 offline (on an earlier runs/sft with shared
-  KV heads, larger steps on the noisy labels lowered its greedy gold score), 3e-4 online; use
+  learning-rate defaults suit that tiny model: 1e-5 offline (larger steps on the noisy labels
+  lower its greedy gold score), 3e-4 online; use
   ~5e-7 for a pretrained model, as in the paper.
   Online samples at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
@@ -51,7 +51,9 @@ import torch
 import torch.nn.functional as F
 
 import common
-import world
+import memory
+import parallel
+import sampling
 from common import TrainArgs
 
 
@@ -117,16 +119,17 @@ def chosen_nll(chosen_logps, chosen_mask, loss_type):
     return -per_token.mean()
 
 
-def pair_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_type):
-    """log pi(y|x) of chosen and rejected in one forward: prompts (B, P), completions (2B, C)
-    with the chosen ones first. Returns (chosen_logps, rejected_logps), each (B,).
+def pair_logps(model, batch, loss_type):
+    """log pi(y|x) of chosen and rejected in one forward: a batch of prompts (B, P) and
+    completions (2B, C) with the chosen ones first. Returns (chosen_logps, rejected_logps), each (B,).
 
     The rows go in as c_0, r_0, c_1, r_1, ..., so each prompt is encoded once for both of its
-    responses (common.completion_logprobs shares it)."""
-    B = prompt_ids.shape[0]
-    pairs = torch.arange(2 * B, device=completion_ids.device).view(2, B).t().reshape(-1)  # (2B,): 0, B, 1, B+1, ...
-    completion_ids, completion_mask = completion_ids[pairs], completion_mask[pairs]
-    logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (2B, C)
+    responses (sampling.completion_logprobs shares it)."""
+    B = batch["prompt_ids"].shape[0]
+    pairs = torch.arange(2 * B, device=batch["completion_ids"].device).view(2, B).t().reshape(-1)  # (2B,): 0, B, 1, B+1, ...
+    completion_ids, completion_mask = batch["completion_ids"][pairs], batch["completion_mask"][pairs]
+    logprobs = sampling.completion_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
+                                            completion_ids, completion_mask)  # (2B, C)
     logps = logprobs.sum(1)  # (2B,) sequence log-prob = sum of per-token log-probs
     if loss_type == "ipo":  # IPO on per-token means (see the module docstring)
         logps = logps / completion_mask.sum(1).clamp(min=1)
@@ -135,12 +138,13 @@ def pair_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 
 
 
 def encode_pairs(tokenizer, prompts, chosen, rejected, args):
-    """Token ids of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
+    """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
     completion_ids, completion_mask = common.encode_completions(
         tokenizer, chosen + rejected, args.max_completion_length)  # (2B, C): chosen first
     dev = common.device()
-    return prompt_ids.to(dev), prompt_mask.to(dev), completion_ids.to(dev), completion_mask.to(dev)
+    return {"prompt_ids": prompt_ids.to(dev), "prompt_mask": prompt_mask.to(dev),
+            "completion_ids": completion_ids.to(dev), "completion_mask": completion_mask.to(dev)}
 
 
 @torch.no_grad()
@@ -153,7 +157,7 @@ def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
         batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
-        out.append(torch.stack(pair_logps(model, *batch, args.loss_type), 1).cpu())  # (b, 2)
+        out.append(torch.stack(pair_logps(model, batch, args.loss_type), 1).cpu())  # (b, 2)
     model.train(was_training)
     return torch.cat(out)
 
@@ -165,7 +169,7 @@ def make_judge(args, world_data):
         rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
 
         def judge(prompts, completions, columns):
-            return common.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size)
+            return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size)
 
         return judge, rm
     if not args.reward_fn and not world_data:
@@ -189,14 +193,13 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
     prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
     # rows 2i and 2i+1 are the two samples of prompt i
-    completion_ids, completion_mask, truncated = common.generate(
+    completion_ids, completion_mask, truncated = sampling.generate(
         model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
         num_return_sequences=2)  # (2B, C)
-    completions = common.decode_completions(tokenizer, completion_ids, completion_mask)
-    if not isinstance(prompts[0], str):  # conversational data: the judge sees assistant messages
-        completions = [[{"role": "assistant", "content": c.strip()}] for c in completions]
+    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
+    completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
     scores = judge(prompts2, completions, columns2).view(-1, 2).t()  # (2, B): first and second samples
     # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
     keep = scores[0] != scores[1]  # (B,)
@@ -211,14 +214,23 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
         return None, metrics
     pick = torch.cat([chosen, rejected]).to(completion_ids.device)  # (2B',): chosen first
     keep = keep.to(prompt_ids.device)
-    return (prompt_ids[keep], prompt_mask[keep], completion_ids[pick], completion_mask[pick]), metrics
+    return {"prompt_ids": prompt_ids[keep], "prompt_mask": prompt_mask[keep],
+            "completion_ids": completion_ids[pick], "completion_mask": completion_mask[pick]}, metrics
 
 
 # ------------------------------------------------------------------------ main
 def main():
-    args = common.parse_args(Args, "dpo")
+    args = common.parse_args(Args)
     if args.online and not any(a.startswith("--output_dir") for a in sys.argv):
-        args.output_dir = "runs/dpo_online"
+        args.output_dir = f"runs/{common.script_name()}_online"
+    if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
+        live_ref = args.online or not args.precompute_ref_logps
+        memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
+                          reward_models=[args.reward_model] if args.online else [],
+                          reward_note="the --reward_fn judge" if args.online else "implicit in DPO",
+                          train_sequences=2 * args.batch_size, generation_sequences=2 * args.batch_size if args.online else 0,
+                          prompt_length=args.max_prompt_length,
+                          completion_length=args.max_new_tokens if args.online else args.max_completion_length)
     # online pairs are exact (the judge, not noisy labels) and on-policy, so they take a larger step
     args.learning_rate = args.learning_rate or (3e-4 if args.online else 1e-5)
     common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
@@ -232,8 +244,8 @@ def main():
         common.fail("--reward_model and --reward_fn label online samples; add --online.")
     if args.reward_model and args.reward_fn:
         common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
-    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + common.rank())  # rank-offset seeds: each rank samples its own completions
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # rank-offset seeds: each rank samples its own completions
     device = common.device()
     embedded = args.dataset == common.EMBEDDED
 
@@ -241,7 +253,7 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
     model.train()
-    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
+    model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
     ds = common.training_data(args, "rl" if args.online else "prefs")
@@ -280,11 +292,11 @@ def main():
     start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = common.MetricsLogger(args, start_step)
     # what training holds: one model with precompute on, two (policy + reference) otherwise
-    memory = {"models_alive": 1 + (ref_model is not None), "model_bytes": common.tensor_bytes(model)
-              + (common.tensor_bytes(ref_model) if ref_model is not None else 0),
-              "judge_bytes": common.tensor_bytes(judge_model) if judge_model is not None else 0}
-    print(f"dpo: training holds {memory['models_alive']} model(s), {memory['model_bytes'] / 2**20:.1f} MiB of weights"
-          + (f" (+ {memory['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
+    held = {"models_alive": 1 + (ref_model is not None), "model_bytes": memory.tensor_bytes(model)
+            + (memory.tensor_bytes(ref_model) if ref_model is not None else 0),
+            "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
+    print(f"dpo: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
+          + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
 
     # ---- loop
     pbar = common.progress(args, start_step, desc="dpo")
@@ -292,7 +304,7 @@ def main():
         rows = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = common.shard(common.batch_indices(n_examples, args.batch_size * common.world_size(), args.seed,
+            idx = parallel.shard(common.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
             # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online)
             stats = {}
@@ -310,16 +322,16 @@ def main():
                 ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)
             else:
                 with torch.no_grad():
-                    ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, *batch, args.loss_type)
+                    ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
             # 3. policy log-probs and the DPO loss (Eq. 7), mean over pairs
-            chosen_logps, rejected_logps = pair_logps(model, *batch, args.loss_type)  # (B,), (B,)
+            chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)  # (B,), (B,)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
                 chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                 args.beta, args.loss_type, args.label_smoothing)
             loss = losses.mean()
             nll = None
             if args.rpo_alpha:  # RPO: DPO + alpha * NLL of the chosen responses
-                nll = chosen_nll(chosen_logps, batch[3][:chosen_logps.shape[0]], args.loss_type)  # chosen rows first
+                nll = chosen_nll(chosen_logps, batch["completion_mask"][:chosen_logps.shape[0]], args.loss_type)  # chosen rows first
                 loss = loss + args.rpo_alpha * nll
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
@@ -329,10 +341,8 @@ def main():
                          "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
                          "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
-        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
-        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
-                                            "optimizer states": optimizer, "reference model": ref_model,
-                                            "reward model": judge_model})
+        memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
+                          frozen={"reference model": ref_model, "reward model": judge_model})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
@@ -342,7 +352,7 @@ def main():
             metrics = common.mean_metrics(trained) if trained else {}
             if args.online:  # judge metrics also count micro-batches that were all ties
                 metrics.update(common.mean_metrics([{k: r[k] for k in stats} for r in rows]))
-                metrics["ties"] = int(common.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
+                metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
             logger.log(step + 1, {**metrics, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0]}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
@@ -351,7 +361,7 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {**init, **memory, "peak_memory_bytes": common.peak_memory_bytes()}
+    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes()}
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 import common
+import sampling
 import world
 from common import TrainArgs
 
@@ -200,7 +201,7 @@ def prob_first_better(model, tokenizer, prompts, firsts, seconds, batch_size=16)
     for i in range(0, len(texts), batch_size):
         ids, mask = common.encode_prompts(tokenizer, texts[i:i + batch_size])  # left padded
         ids, mask = ids.to(model.device), mask.to(model.device)
-        hidden = common.backbone(model)(input_ids=ids, attention_mask=mask, position_ids=common.position_ids(mask),
+        hidden = sampling.backbone(model)(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask),
                                         use_cache=False).last_hidden_state[:, -1]  # (b, H) at the last token
         logits = head(hidden).float()  # (b, V): only the next token's logits, never (b, T, V)
         log_a = torch.logsumexp(logits[:, a_ids], -1)  # (b,) all spellings of "A"
@@ -283,7 +284,7 @@ def generate_responses(path, name, raw_prompts, args):
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
     sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    responses, truncated = common.sample_texts(model, tokenizer, prompts, args.max_completion_length,
+    responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
                                                args.eval_batch_size, **sampling)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
@@ -311,7 +312,7 @@ def judge_scores(kind, arg, responses, raw_prompts, columns, args):
                 for name, texts in responses.items()}
     model, tokenizer = common.load_reward_model(arg, args)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
-    return {name: common.reward_model_scores(model, tokenizer, prompts, texts, args.eval_batch_size).double().numpy()
+    return {name: sampling.reward_model_scores(model, tokenizer, prompts, texts, args.eval_batch_size).double().numpy()
             for name, texts in responses.items()}
 
 
@@ -395,7 +396,7 @@ def main():
     argv = sys.argv[1:]
     n_bare = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
     sys.argv[1:] = (["--policies", *argv[:n_bare]] if n_bare else []) + argv[n_bare:]
-    args = common.parse_args(Args, "eval")
+    args = common.parse_args(Args)
     if args.model:
         common.fail("eval.py takes the policies as arguments: python eval.py runs/sft runs/dpo [--flags].")
     if not args.policies:
@@ -443,7 +444,7 @@ def main():
     for path, name in zip(args.policies, names):
         responses[name], truncated[name] = generate_responses(path, name, raw_prompts, args)
     if has_reference:
-        # written as common.decode_completions writes the policies' responses: " " + stripped text
+        # written as sampling.decode_completions writes the policies' responses: " " + stripped text
         responses[REFERENCE] = [" " + (r if isinstance(r, str) else r[-1]["content"]).strip() for r in ds[args.reference_column]]
 
     # ---- pairs: every pair of policies (the later one as a), then each policy vs the references

@@ -29,16 +29,15 @@ Departures from the paper and from TRL:
   `--reward_model` is among the rewards, and `group` otherwise. A reward model gives the G
   near-identical samples of a converged group scores that differ by noise (0.01 apart, say);
   dividing by that group's std turns the noise into full-size advantages, and the policy chases
-  it: on the embedded world, `--reward_model runs/reward` with group scaling fell from 0.68 to
-  0.27 gold at lr 5e-5 (copying facts wrongly, which the reward model can't see), with batch
-  scaling it rose to 0.91. A verifier's tied rewards give std 0 and A = 0 instead.
+  it (the README's Results measure it on the embedded world). A verifier's tied rewards give
+  std 0 and A = 0 instead.
 - `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
 - The defaults are tuned for the tiny from-scratch policy in runs/sft: lr 5e-5, 32-token
-  completions, temperature 0.7 (TRL: 1.0). At 1.0 its samples score far below its greedy output
-  (gold -0.38 vs 0.61 for the earlier, 2-KV-head runs/sft), the group baseline then favours the
-  empty summary (gold 0), and the policy collapses to it within ten steps. For a pretrained model use TRL-like values
-  (--learning_rate 1e-6, --temperature 1.0, longer completions).
+  completions, temperature 0.7 (TRL: 1.0). At 1.0 its samples score far below its greedy
+  output, the group baseline then favours the empty summary (gold 0), and the policy collapses
+  to it. For a pretrained model use TRL-like values (--learning_rate 1e-6, --temperature 1.0,
+  longer completions).
 
 Run:
     python grpo.py                                        # runs/sft + gold verifier -> runs/grpo
@@ -56,6 +55,9 @@ from dataclasses import dataclass, field
 import torch
 
 import common
+import memory
+import parallel
+import sampling
 from common import TrainArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0
@@ -158,7 +160,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
 
 # ============================================================================ rewards
 def load_rewards(args):
-    """[(name, kind, thing)] for every reward source, and their weights (K,)."""
+    """Every reward source as {"name", "fn"} (a reward function) or {"name", "model", "tokenizer"}
+    (a reward model), and their weights (K,)."""
     specs = [s for s in args.reward_fn.split(",") if s]
     paths = [p for p in args.reward_model.split(",") if p]
     if not specs and not paths:  # no reward named: the verifier, which only knows the embedded world
@@ -169,10 +172,10 @@ def load_rewards(args):
     rewards = []
     for spec in specs:
         fn = common.load_reward_fn(spec)
-        rewards.append(("gold" if spec == "gold" else fn.__name__, "fn", fn))
+        rewards.append({"name": "gold" if spec == "gold" else fn.__name__, "fn": fn})
     for path in paths:
         model, tokenizer = common.load_reward_model(path, args)
-        rewards.append((os.path.basename(path.rstrip("/")), "model", (model, tokenizer)))
+        rewards.append({"name": os.path.basename(path.rstrip("/")), "model": model, "tokenizer": tokenizer})
     # weights: r = sum_k w_k r_k, before the group normalisation (as TRL's reward_weights)
     weights = [1.0] * len(rewards)
     if args.reward_weights:
@@ -182,7 +185,7 @@ def load_rewards(args):
             common.fail(f"--reward_weights {args.reward_weights!r}: expected comma-separated numbers.")
         if len(weights) != len(rewards):
             common.fail(f"--reward_weights has {len(weights)} values for {len(rewards)} rewards "
-                        f"({', '.join(n for n, _, _ in rewards)}).")
+                        f"({', '.join(r['name'] for r in rewards)}).")
     return rewards, torch.tensor(weights)
 
 
@@ -190,23 +193,27 @@ def load_rewards(args):
 def score(rewards, prompts, texts, columns, args):
     """Rewards of each source for N completions: (N, K). `prompts` are the dataset's prompts
     (text or conversations), `texts` the decoded completions, `columns` the other dataset columns."""
-    # conversational prompts get assistant messages back, as in TRL
-    conversational = common.is_conversational(prompts[0])
-    completions = [[{"role": "assistant", "content": t.strip()}] for t in texts] if conversational else texts
+    completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
     out = []
-    for name, kind, thing in rewards:
-        if kind == "fn":
-            out.append(common.call_reward_fn(thing, prompts, completions, columns))
+    for r in rewards:
+        if "fn" in r:
+            out.append(common.call_reward_fn(r["fn"], prompts, completions, columns))
         else:  # a reward model reads the text through its own tokenizer and chat template
-            model, tokenizer = thing
-            scores = common.score_texts(model, tokenizer, prompts, completions, args.eval_batch_size, args.max_prompt_length)
-            out.append(scores - getattr(model.config, "reward_mean", 0.0))  # reward.py's training mean
+            scores = sampling.score_texts(r["model"], r["tokenizer"], prompts, completions, args.eval_batch_size,
+                                          args.max_prompt_length)
+            out.append(scores - getattr(r["model"].config, "reward_mean", 0.0))  # reward.py's training mean
     return torch.stack(out, 1)  # (N, K)
 
 
 # ============================================================================ main
 def main():
-    args = common.parse_args(Args, "grpo")
+    args = common.parse_args(Args)
+    if args.estimate_memory:  # what GRPO holds: the policy, a reference unless beta == 0, reward models
+        memory.print_plan(args, reference=True if args.beta else "--beta 0",
+                          reward_models=args.reward_model.split(","), reward_note="reward function(s) only",
+                          train_sequences=args.batch_size * args.num_generations,
+                          generation_sequences=args.batch_size * args.num_generations,
+                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
     common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo"])
     common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
     if args.scale_rewards == "auto":
@@ -223,8 +230,8 @@ def main():
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
-    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + common.rank())  # each rank samples differently
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # each rank samples differently
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
@@ -237,11 +244,11 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
     model.train()
-    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
+    model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen; beta == 0 saves its memory entirely
     ref_model = common.freeze(common.load_model(args.model, args)) if args.beta else None
     rewards, weights = load_rewards(args)
-    reward_names = [name for name, _, _ in rewards]
+    reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
     column_values = {c: ds[c] for c in extra_columns}
@@ -265,17 +272,17 @@ def main():
             batches, rollout_metrics = [], []
             for micro in range(args.gradient_accumulation_steps):
                 # this rank's prompts of the global batch; the step is the position in the data
-                idx = common.shard(common.batch_indices(
-                    len(ds), args.batch_size * common.world_size(), args.seed,
+                idx = parallel.shard(common.batch_indices(
+                    len(ds), args.batch_size * parallel.world_size(), args.seed,
                     (step // args.num_iterations) * args.gradient_accumulation_steps + micro))
                 prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (B, P)
                 # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
-                # here and in every log-prob pass below (common.completion_logprobs shares it)
-                completion_ids, completion_mask, truncated = common.generate(
+                # here and in every log-prob pass below (sampling.completion_logprobs shares it)
+                completion_ids, completion_mask, truncated = sampling.generate(
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
                     num_return_sequences=G)
-                texts = common.decode_completions(tokenizer, completion_ids, completion_mask)
+                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]
@@ -303,38 +310,36 @@ def main():
                 ref_logprobs = None
                 if ref_model is not None:
                     with torch.no_grad():
-                        ref_logprobs = common.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
+                        ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
                                                                   completion_mask, args.temperature)
-                batches.append((prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logprobs))
-            old_logprobs = [None] * len(batches)  # log pi_old per micro-batch, kept for the rollout's later updates
+                batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                                "completion_mask": completion_mask, "advantages": advantages,
+                                "ref_logprobs": ref_logprobs, "old_logprobs": None})
             # normalisers of the whole optimizer batch, so accumulated micro-batches sum to one loss
-            num_sequences = sum(b[2].shape[0] for b in batches)
-            num_tokens = sum(b[3].sum() for b in batches).clamp(min=1)
+            num_sequences = sum(b["completion_ids"].shape[0] for b in batches)
+            num_tokens = sum(b["completion_mask"].sum() for b in batches).clamp(min=1)
 
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
-        for i, (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, ref_logprobs) in enumerate(batches):
-            logprobs, entropy = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
-                                                           completion_mask, args.temperature, with_entropy=True)
+        for mb in batches:
+            logprobs, entropy = sampling.completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                                             mb["completion_mask"], args.temperature, with_entropy=True)
             # the rollout's first update runs on the weights that sampled it, so pi_old == pi here: the
             # ratio is exactly 1 with pi's gradient, and no extra forward pass is needed for pi_old;
             # later updates of the same rollout (--num_iterations > 1) reuse these log-probs
-            if old_logprobs[i] is None:
-                old_logprobs[i] = logprobs.detach()
-            old = old_logprobs[i]
-            loss, metrics = grpo_loss(logprobs, old, ref_logprobs, advantages, completion_mask, args,
-                                      num_sequences, num_tokens)
+            if mb["old_logprobs"] is None:
+                mb["old_logprobs"] = logprobs.detach()
+            loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
+                                      mb["completion_mask"], args, num_sequences, num_tokens)
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
             if loss.requires_grad:  # False only when every completion is masked (all truncated)
                 loss.backward()
-            mask = completion_mask.float()
+            mask = mb["completion_mask"].float()
             metrics.update(loss=loss.detach(), entropy=(entropy * mask).sum() / mask.sum().clamp(min=1))
             step_metrics.append(metrics)
             del logprobs, entropy, loss
-        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
-        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
-                                            "optimizer states": optimizer, "reference model": ref_model,
-                                            "reward model": [r[2][0] for r in rewards if r[1] == "model"]})
+        memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
+                          frozen={"reference model": ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 

@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 import torch
 
 import common
+import memory
+import parallel
+import sampling
 from common import TrainArgs
 
 
@@ -177,7 +180,7 @@ def token_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mas
     the state *before* each completion token (the same positions as its log-prob): (B, C)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
-    hidden = common.backbone(critic)(input_ids=ids, attention_mask=mask, position_ids=common.position_ids(mask),
+    hidden = sampling.backbone(critic)(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask),
                                      use_cache=False).last_hidden_state  # (B, P+C, H)
     C = completion_ids.shape[1]
     return critic.score(hidden[:, -C - 1:-1]).squeeze(-1).float() * completion_mask  # (B, C)
@@ -186,7 +189,7 @@ def token_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mas
 def policy_and_values(policy, critic, mb, temperature):
     """Log-probs, entropies and values of one micro-batch; the same call at rollout (under
     no_grad) and in the update, so the first update sees ratio == 1."""
-    logprobs, entropy = common.completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+    logprobs, entropy = sampling.completion_logprobs(policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                    mb["completion_mask"], temperature, with_entropy=True)  # (B, C)
     values = token_values(critic, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     return logprobs, entropy, values
@@ -212,14 +215,20 @@ def on_device(model, device, offload):
 def main():
     from transformers import AutoModelForSequenceClassification
 
-    args = common.parse_args(Args, "ppo")
+    args = common.parse_args(Args)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
+        memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
+                          reward_models=[] if args.reward_fn else [args.reward_model], reward_note="--reward_fn only",
+                          train_sequences=args.batch_size, generation_sequences=args.batch_size,
+                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length,
+                          offload=args.offload_frozen)
     if args.dual_clip_c and args.dual_clip_c <= 1:
         common.fail(f"--dual_clip_c must be > 1 (or 0 to disable), got {args.dual_clip_c}.")
     for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
         if getattr(args, name) < 1:
             common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    common.single_process("ppo.py")
+    parallel.single_process("ppo.py")
     common.set_seed(args.seed)
     device = common.device()
     offload_device = torch.device("cpu") if args.offload_frozen else device
@@ -269,13 +278,13 @@ def main():
     final = {}  # the last step's reward and KL, for summary.json
     for step in pbar:
         t0 = time.time()
-        # 1. rollout: sample, truncate at the first EOS (common.generate), in micro-batches
+        # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
         idx = common.batch_indices(len(prompts), rollout_batch, args.seed, step)
         prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
         chunks = []
         for s in range(0, rollout_batch, args.batch_size):
-            c_ids, c_mask, truncated = common.generate(
+            c_ids, c_mask, truncated = sampling.generate(
                 policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
                 args.max_completion_length, temperature=args.temperature)
             chunks.append((c_ids, c_mask, truncated))
@@ -295,24 +304,25 @@ def main():
                 lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
                 old_logprobs.append(lp)
                 values.append(v)
-                ref_logprobs.append(common.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                                mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
             if args.reward_fn:  # a verifier on texts, with the dataset's other columns
-                texts = common.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
+                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
                 raw = [raw_prompts[i] for i in idx]
-                completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}] for p, t in zip(raw, texts)]
+                completions = sampling.reward_completions(raw, texts)  # TRL's form: text, or an assistant message
                 scores = common.call_reward_fn(reward_fn, raw, completions, {k: [v[i] for i in idx] for k, v in columns.items()}).to(device)
             else:  # R_psi at the last real token, centred by the mean score on chosen responses
                 reward_model = on_device(reward_model, device, args.offload_frozen)
                 for s in range(0, rollout_batch, args.batch_size):
                     ids = torch.cat([batch["prompt_ids"][s:s + args.batch_size], batch["completion_ids"][s:s + args.batch_size]], 1)
                     m = torch.cat([batch["prompt_mask"][s:s + args.batch_size], batch["completion_mask"][s:s + args.batch_size]], 1)
-                    scores.append(common.sequence_scores(reward_model, ids, m))
+                    scores.append(sampling.sequence_scores(reward_model, ids, m))
                 reward_model = on_device(reward_model, offload_device, args.offload_frozen)
                 scores = torch.cat(scores) - reward_mean  # (N,)
             scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
+            common.check_finite("reward", scores, step + 1)
             rewards, kl, non_score_reward = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
@@ -337,14 +347,11 @@ def main():
                                                     args.cliprange, args.dual_clip_c)
                     vf_loss, vf_stats = value_loss(mb_values, mb["values"], mb["returns"], mb_mask, args.cliprange_value)
                     loss = pg_loss + args.vf_coef * vf_loss
+                    common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
                     (loss / args.gradient_accumulation_steps).backward()
                     stats.append({**pg_stats, **vf_stats, "loss": loss.detach(), "entropy": masked_mean(entropy.detach(), mb_mask)})
-                # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
-                common.log_memory(args.output_dir, {
-                    "policy weights": policy, "gradients": [p.grad for p in policy.parameters()],
-                    "optimizer states": (optimizer, policy), "reference model": ref_policy,
-                    "critic weights": critic, "critic gradients": [p.grad for p in critic.parameters()],
-                    "critic optimizer states": (optimizer, critic), "reward model": reward_model})
+                memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
+                                  frozen={"reference model": ref_policy, "reward model": reward_model})
                 grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
                 scheduler.step()
 
@@ -369,10 +376,10 @@ def main():
     logger.close()
     common.save_final(policy, tokenizer, args)
     summary = {**final,
-               "memory_bytes": {"policy": common.tensor_bytes(policy), "ref_policy": common.tensor_bytes(ref_policy),
-                                "critic": common.tensor_bytes(critic),
-                                "reward_model": common.tensor_bytes(reward_model) if reward_model is not None else 0,
-                                "optimizer": common.optimizer_state_bytes(optimizer), "peak": common.peak_memory_bytes()}}
+               "memory_bytes": {"policy": memory.tensor_bytes(policy), "ref_policy": memory.tensor_bytes(ref_policy),
+                                "critic": memory.tensor_bytes(critic),
+                                "reward_model": memory.tensor_bytes(reward_model) if reward_model is not None else 0,
+                                "optimizer": memory.optimizer_state_bytes(optimizer), "peak": memory.peak_memory_bytes()}}
     if args.dataset == common.EMBEDDED:
         summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
         summary.update(common.gold_eval(policy, tokenizer, args))
@@ -393,9 +400,9 @@ def test_kl(policy, ref_policy, tokenizer, args, device, offload_device):
     for s in range(0, len(prompts), args.eval_batch_size):
         p_ids, p_mask = common.encode_prompts(tokenizer, prompts[s:s + args.eval_batch_size], args.max_prompt_length)
         p_ids, p_mask = p_ids.to(device), p_mask.to(device)
-        c_ids, c_mask, _ = common.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, temperature=args.temperature)
-        lp = common.completion_logprobs(policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
-        ref_lp = common.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
+        c_ids, c_mask, _ = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, temperature=args.temperature)
+        lp = sampling.completion_logprobs(policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
+        ref_lp = sampling.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
         total.append(((lp - ref_lp) * c_mask).sum(1).cpu())
     on_device(ref_policy, offload_device, args.offload_frozen)
     return {"test_kl": float(torch.cat(total).mean())}

@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import common
+import memory
+import parallel
+import sampling
 import world
 from common import TrainArgs
 
@@ -64,7 +67,7 @@ def pair_scores(model, tokenizer, triples, args):
     """R_psi on chosen and rejected of a list of (prompt, chosen, rejected) texts: two (B,) tensors.
 
     Both halves go through the model as one batch of 2B sequences (prompt left-padded,
-    response right-padded); the score is read at the last real token (common.sequence_scores).
+    response right-padded); the score is read at the last real token (sampling.sequence_scores).
     """
     prompts = [p for p, _, _ in triples]
     responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
@@ -72,7 +75,7 @@ def pair_scores(model, tokenizer, triples, args):
     c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length)  # (2B, C)
     ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
     mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
-    scores = common.sequence_scores(model, ids, mask)  # (2B,)
+    scores = sampling.sequence_scores(model, ids, mask)  # (2B,)
     return scores[:len(triples)], scores[len(triples):]
 
 
@@ -100,10 +103,13 @@ def render(tokenizer, triples):
 def main():
     from transformers import AutoModelForSequenceClassification
 
-    args = common.parse_args(Args, "reward")
+    args = common.parse_args(Args)
+    if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
+        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size,
+                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
     if args.eval_steps < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
         common.fail("--eval_steps must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
-    common.single_process("reward.py")
+    parallel.single_process("reward.py")
     common.set_seed(args.seed)
     device = common.device()
 
@@ -146,11 +152,10 @@ def main():
                                        step * args.gradient_accumulation_steps + micro)
             chosen_rewards, rejected_rewards = pair_scores(model, tokenizer, [train_triples[i] for i in idx], args)  # (B,), (B,)
             loss, m = bradley_terry_loss(chosen_rewards, rejected_rewards)
+            common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             rows.append({"loss": loss.detach(), **m, "mean_reward": torch.cat([chosen_rewards, rejected_rewards]).mean().detach()})
-        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
-        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
-                                            "optimizer states": optimizer})
+        memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 

@@ -8,7 +8,7 @@ Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* on the
   embedded TL;DR world (world.py); this is what the tests and `make demo` run.
 - `messages` rows train on the last assistant turn only (everything before it is the prompt).
-- Log-probs come from common.completion_logprobs: the LM head runs on completion positions only,
+- Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
 
 Run:
@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 import common
+import memory
+import parallel
+import sampling
 import world
 from common import TrainArgs
 
@@ -53,9 +56,12 @@ def sft_loss(logprobs, completion_mask, num_tokens):
 
 
 def main():
-    args = common.parse_args(Args, "sft")
-    common.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + common.rank())  # rank-offset seeds; the data order comes from batch_indices
+    args = common.parse_args(Args)
+    if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
+        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
+                          completion_length=args.max_completion_length)
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()
 
     # ---- model and tokenizer
@@ -72,7 +78,7 @@ def main():
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args)
     model.train()
-    model = common.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
+    model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: (prompt, completion) pairs rendered to text
     ds = common.training_data(args, "sft")
@@ -88,7 +94,7 @@ def main():
         print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
               f"--max_completion_length {args.max_completion_length} are cut (their EOS is not learned)")
-    global_batch = args.batch_size * common.world_size()
+    global_batch = args.batch_size * parallel.world_size()
     if len(pairs) < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
         print(f"sft: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
 
@@ -110,7 +116,7 @@ def main():
         losses, n_tokens = [], 0
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = common.shard(common.batch_indices(len(pairs), global_batch, args.seed,
+            idx = parallel.shard(common.batch_indices(len(pairs), global_batch, args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask = common.encode_completions(
@@ -118,16 +124,14 @@ def main():
             prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
             completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
 
-            logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
-            rank_tokens = common.all_reduce(completion_mask.sum().float())  # mean over ranks (see sft_loss)
+            logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+            rank_tokens = parallel.all_reduce(completion_mask.sum().float())  # mean over ranks (see sft_loss)
             loss = sft_loss(logprobs, completion_mask, rank_tokens)
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             losses.append(loss.detach())
-            n_tokens += round(float(rank_tokens) * common.world_size())
-        # memory.json: measured once, at the first step where weights, grads and optimizer states all exist
-        common.log_memory(args.output_dir, {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
-                                            "optimizer states": optimizer})
+            n_tokens += round(float(rank_tokens) * parallel.world_size())
+        memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
@@ -142,7 +146,7 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {"final_loss": common.all_reduce(torch.stack(losses).mean()).item() if losses else None,
+    summary = {"final_loss": parallel.all_reduce(torch.stack(losses).mean()).item() if losses else None,
                **truncated, **init}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)

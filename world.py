@@ -358,11 +358,9 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=heads,
-        # every head has its own keys and values (Qwen2.5-1.5B shares 2 among 12). With 2 shared
-        # KV heads, the SFT policy gave a fact the action or object of another fact of the post
-        # in 113 of ~470 clauses on the test posts; with 6, 70 (and 38 with sft.py's lr 1e-3
-        # instead of 2e-3). A reward model can't see such copy errors (`probe_pairs`), so RL
-        # against it learned nothing while the SFT policy made them (README, Results).
+        # every head has its own keys and values (Qwen2.5-1.5B shares 2 among 12): with shared
+        # KV heads the SFT policy copies facts wrongly far more often, and a reward model can't
+        # see such copy errors (`probe_pairs`); the README's Results give the measurements.
         num_key_value_heads=heads,
         max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

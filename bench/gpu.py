@@ -13,7 +13,7 @@ What it does:
 2. Writes prompts (and chosen/rejected completions for DPO) as .jsonl files.
 3. Runs each script for --steps steps through subprocess, as a user would, with the settings
    in STAGES (gradient checkpointing on, 8-bit AdamW, bf16), watching metrics.jsonl to time
-   each step; reads the peak from <run>/memory.json (common.log_memory:
+   each step; reads the peak from <run>/memory.json (memory.log_memory:
    torch.cuda.max_memory_allocated) and the --estimate_memory plan of the same command.
 4. Writes bench/results_gpu.json and bench/results_gpu.md.
 

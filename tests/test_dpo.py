@@ -13,6 +13,7 @@ from conftest import run_script
 
 import common
 import dpo
+import sampling
 import world
 
 
@@ -85,7 +86,7 @@ def test_step_zero_loss_is_ln2_and_margins_are_zero(loss_type, eps):
     cache = dpo.precompute_ref_logps(model, tok, prompts, chosen, rejected, args)  # batches of 3
     idx = [5, 0, 2, 7]
     batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args)
-    chosen_logps, rejected_logps = dpo.pair_logps(model, *batch, loss_type)
+    chosen_logps, rejected_logps = dpo.pair_logps(model, batch, loss_type)
     losses, chosen_rewards, rejected_rewards = dpo.dpo_loss(
         chosen_logps, rejected_logps, *cache[idx].unbind(1), 0.1, loss_type, eps)
     assert losses.mean().item() == pytest.approx(math.log(2), abs=1e-5)
@@ -105,14 +106,14 @@ def test_precomputed_and_live_reference_give_the_same_loss(loss_type):
     idx = [6, 1, 3, 4]
     batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args)
     for _ in range(2):
-        c, r = dpo.pair_logps(model, *batch, loss_type)
+        c, r = dpo.pair_logps(model, batch, loss_type)
         dpo.dpo_loss(c, r, *cache[idx].unbind(1), 0.1, loss_type)[0].mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    chosen_logps, rejected_logps = dpo.pair_logps(model, *batch, loss_type)
+    chosen_logps, rejected_logps = dpo.pair_logps(model, batch, loss_type)
     precomputed = dpo.dpo_loss(chosen_logps, rejected_logps, *cache[idx].unbind(1), 0.1, loss_type)[0]
     with torch.no_grad():
-        live = dpo.dpo_loss(chosen_logps, rejected_logps, *dpo.pair_logps(ref_model, *batch, loss_type), 0.1, loss_type)[0]
+        live = dpo.dpo_loss(chosen_logps, rejected_logps, *dpo.pair_logps(ref_model, batch, loss_type), 0.1, loss_type)[0]
     torch.testing.assert_close(precomputed, live, atol=1e-5, rtol=1e-5)
     assert abs(precomputed.mean().item() - (math.log(2) if loss_type == "sigmoid" else 25.0)) > 1e-3  # it moved
 
@@ -122,17 +123,17 @@ def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     prompts, chosen, rejected = _pairs(4)
     batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args())
-    chosen_logps, _ = dpo.pair_logps(model, *batch, "sigmoid")
+    chosen_logps, _ = dpo.pair_logps(model, batch, "sigmoid")
     c_mask = batch[3][:4]
     nll = dpo.chosen_nll(chosen_logps, c_mask, "sigmoid")
     # the same number from a full log-softmax: mean over pairs of each chosen response's token mean
     p_ids, p_mask, c_ids = batch[0], batch[1], batch[2][:4]
     ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids(mask)).logits
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
     logp = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
     expected = -((logp * c_mask).sum(1) / c_mask.sum(1)).mean()
     torch.testing.assert_close(nll, expected, atol=1e-5, rtol=1e-5)
-    ipo_logps, _ = dpo.pair_logps(model, *batch, "ipo")  # ipo's log-probs are already token means
+    ipo_logps, _ = dpo.pair_logps(model, batch, "ipo")  # ipo's log-probs are already token means
     torch.testing.assert_close(dpo.chosen_nll(ipo_logps, c_mask, "ipo"), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -233,7 +234,7 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
-    words = torch.tensor([len(t.split()) for t in dpo.common.decode_completions(tok, completion_ids, completion_mask)])
+    words = torch.tensor([len(t.split()) for t in dpo.sampling.decode_completions(tok, completion_ids, completion_mask)])
     assert (words[:n] > words[n:]).all()  # chosen (first half) beat rejected (second half)
 
 

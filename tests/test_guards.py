@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, run_script
 
 import common
+import sampling
 import world
 
 
@@ -137,9 +138,9 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
     ids, mask = common.encode_completions(tok, ["", " alice ."])
     assert ids[0, 0] == tok.eos_token_id and mask[0].tolist() == [1] + [0] * (mask.shape[1] - 1)  # EOS only
     p_ids, p_mask = common.encode_prompts(tok, ["POST: a . TL;DR:"] * 2)
-    logprobs = common.completion_logprobs(model, p_ids, p_mask, ids, mask)
+    logprobs = sampling.completion_logprobs(model, p_ids, p_mask, ids, mask)
     assert torch.isfinite(logprobs).all() and (logprobs[0, 1:] == 0).all()
-    assert common.decode_completions(tok, ids, mask)[0].strip() == ""
+    assert sampling.decode_completions(tok, ids, mask)[0].strip() == ""
     rewards = common.call_reward_fn(world.gold_reward, ["POST: alice bought the bike . TL;DR:"] * 2, ["", " alice ."])
     assert torch.isfinite(rewards).all()
 
@@ -149,8 +150,7 @@ def test_unknown_choices_fail_at_parse_time(tmp_path):
     runs = {script: subprocess.Popen([sys.executable, script, *flag, "--output_dir", str(tmp_path / "o")], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for script, flag in [("dpo.py", ["--loss_type", "hinge2"]), ("sft.py", ["--parallel", "zero3"]),
-                                 ("grpo.py", ["--parallel", "fsdp2"])]  # with the default --optim adamw_8bit
-            if os.path.exists(os.path.join(ROOT, script))}
+                                 ("grpo.py", ["--parallel", "fsdp2"])]}  # with the default --optim adamw_8bit
     expected = {"dpo.py": "--loss_type 'hinge2' is not one of: sigmoid", "sft.py": "--parallel 'zero3' is not one of: ddp, fsdp2",
                 "grpo.py": "--parallel fsdp2 needs --optim adamw"}
     for script, proc in runs.items():

@@ -13,6 +13,8 @@ import torch
 from transformers import Qwen2Config
 
 import common
+import memory
+import sampling
 import sft
 from conftest import ROOT, run_script
 
@@ -24,7 +26,7 @@ STATIC = ("policy weights", "gradients", "optimizer states")
 def test_static_plan_matches_measured(tiny_qwen, tmp_path, optim, dtype):
     args = sft.Args(model=tiny_qwen, optim=optim, dtype=dtype, attn_implementation="sdpa",
                     learning_rate=1e-3, output_dir=str(tmp_path))
-    plan = {name: n for name, n, _ in common.estimate_memory(args, "sft")}
+    plan = {name: n for name, n, _ in memory.estimate_memory(args, train_sequences=2, prompt_length=6, completion_length=6)}
     model = common.load_model(tiny_qwen, args)
     assert any(p.numel() >= 4096 for p in model.parameters())  # 8-bit states really engage
     assert any(p.numel() < 4096 for p in model.parameters())  # and so do the small fp32 ones
@@ -32,9 +34,7 @@ def test_static_plan_matches_measured(tiny_qwen, tmp_path, optim, dtype):
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
     for _ in range(2):  # first call: optimizer states do not exist yet, so nothing is final
         model(input_ids=ids, labels=ids).loss.backward()
-        components = {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
-                      "optimizer states": optimizer}
-        common.log_memory(args.output_dir, components)
+        memory.log_memory(args.output_dir, model, optimizer)
         common.optimizer_step(optimizer, 1.0)
     with open(tmp_path / "memory.json") as f:
         measured = json.load(f)
@@ -63,8 +63,8 @@ def test_activation_plan_matches_saved_tensors():
 
         ids = torch.randint(0, 300, (3, 40))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            common.backbone(model)(input_ids=ids, use_cache=False)
-        plan = common.activation_plan(config, ids.numel(), dtype.itemsize, checkpointing=False)
+            sampling.backbone(model)(input_ids=ids, use_cache=False)
+        plan = memory.activation_plan(config, ids.numel(), dtype.itemsize, checkpointing=False)
         assert abs(sum(saved.values()) - plan) <= 0.05 * plan, (dtype, sum(saved.values()), plan)
 
 
@@ -80,8 +80,7 @@ def qwen15_config(tmp_path_factory):
 
 
 def test_estimate_memory_command_line(qwen15_config):
-    scripts = [s for s in ("sft", "dpo", "grpo", "ppo") if os.path.exists(os.path.join(ROOT, f"{s}.py"))]
-    assert {"sft", "dpo", "grpo"} <= set(scripts)
+    scripts = ["sft", "dpo", "grpo", "ppo"]
     flags = ["--model", qwen15_config, "--dtype", "bfloat16", "--batch_size", "2", "--estimate_memory"]
     with ThreadPoolExecutor(2) as pool:  # subprocesses: two at a time on two cores
         extra = {"ppo": ["--reward_model", qwen15_config]}  # a policy-shaped reward model (and critic)
@@ -97,26 +96,51 @@ def test_estimate_memory_command_line(qwen15_config):
     assert tables["sft"]["policy weights"] == pytest.approx(2.875, abs=0.01)
     assert tables["dpo"]["reference model"] == 0  # log-probs precomputed by default
     assert tables["grpo"]["reference model"] == pytest.approx(2.875, abs=0.01)  # beta 0.04
-    if "ppo" in tables:
-        assert tables["ppo"]["critic weights"] > 2.8 and tables["ppo"]["reward model"] > 2.8
+    assert tables["ppo"]["critic weights"] > 2.8 and tables["ppo"]["reward model"] > 2.8
     assert not os.path.exists(os.path.join(qwen15_config, "model.safetensors"))
 
 
 def test_log_memory_splits_one_optimizer_by_module(tmp_path):
-    """ppo.py's single optimizer over actor and critic: (optimizer, module) measures each part."""
+    """ppo.py's single optimizer over actor and critic: each model's states are measured apart."""
     from types import SimpleNamespace
 
     actor, critic = torch.nn.Linear(64, 128), torch.nn.Linear(64, 1)
     both = torch.nn.ModuleDict({"actor": actor, "critic": critic})
     optimizer = common.make_optimizer(both, SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, optim="adamw"))
-    components = {"optimizer states": (optimizer, actor), "critic optimizer states": (optimizer, critic),
-                  "reward model": None, "frozen": [torch.nn.Linear(4, 4)]}
-    common.log_memory(str(tmp_path), components)  # before the first step: no states yet, not final
+    frozen = {"reward model": None, "frozen": [torch.nn.Linear(4, 4)]}
+    memory.log_memory(str(tmp_path), actor, optimizer, critic, frozen)  # before the first step: no states yet, not final
     assert not json.load(open(tmp_path / "memory.json"))["complete"]
     (actor(torch.randn(2, 64)).sum() + critic(torch.randn(2, 64)).sum()).backward()
     common.optimizer_step(optimizer)
-    common.log_memory(str(tmp_path), components)
+    memory.log_memory(str(tmp_path), actor, optimizer, critic, frozen)
     measured = json.load(open(tmp_path / "memory.json"))["components"]
     assert measured["optimizer states"] == 2 * 4 * (64 * 128 + 128) + 2 * 4  # two fp32 moments + steps
     assert measured["critic optimizer states"] == 2 * 4 * (64 + 1) + 2 * 4
     assert measured["reward model"] == 0 and measured["frozen"] == 4 * (16 + 4)
+
+
+def test_a_fork_plans_and_trains_under_its_own_name(tmp_path, tiny_qwen):
+    """cp grpo.py gspo.py: --estimate_memory plans what the fork holds (no shared code knows its
+    name), and two training steps go to runs/gspo, the folder named after the file."""
+    import shutil
+    import subprocess
+    import sys
+
+    fork = tmp_path / "gspo.py"
+    shutil.copy(os.path.join(ROOT, "grpo.py"), fork)
+    env = {**os.environ, "PYTHONPATH": ROOT, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "2"}
+
+    def run(*flags):
+        proc = subprocess.run([sys.executable, str(fork), "--model", tiny_qwen, *flags], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    plan = run("--estimate_memory", "--beta", "0")
+    assert "gspo.py memory plan" in plan and "none: --beta 0" in plan and plan.strip().splitlines()[-1].startswith("total")
+    assert not os.path.exists(tmp_path / "runs")  # the plan loads nothing and writes nothing
+    run("--max_steps", "2", "--batch_size", "2", "--num_generations", "2", "--eval_batch_size", "200")
+    out = tmp_path / "runs" / "gspo"
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+    assert os.path.exists(out / "summary.json") and os.path.exists(out / "model.safetensors")

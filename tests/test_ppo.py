@@ -10,6 +10,7 @@ from conftest import run_script
 
 import common
 import ppo
+import sampling
 
 
 def random_mask(B, C, gen):
@@ -101,7 +102,7 @@ def test_first_minibatch_has_ratio_one(tiny_qwen):
     prompts = ["POST: alice bought the bike . TL;DR:", "POST: bob lost the phone at the park . TL;DR:",
                "POST: erin hid the lamp . nobody knows why . TL;DR:", "POST: dave sold a car . TL;DR:"] * 2
     p_ids, p_mask = common.encode_prompts(tok, prompts)
-    c_ids, c_mask, _ = common.generate(policy, tok, p_ids, p_mask, 10)
+    c_ids, c_mask, _ = sampling.generate(policy, tok, p_ids, p_mask, 10)
     batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
     with torch.no_grad():  # the rollout pass, in micro-batches of 4 as ppo.main runs it
         parts = [ppo.policy_and_values(policy, critic, {k: v[s:s + 4] for k, v in batch.items()}, 0.7) for s in (0, 4)]

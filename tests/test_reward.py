@@ -11,6 +11,7 @@ from conftest import run_script
 
 import common
 import reward
+import sampling
 
 
 def test_bradley_terry_loss_and_accuracy_on_hand_built_pairs():
@@ -46,7 +47,7 @@ def test_pair_scores_match_scoring_each_sequence_alone(tiny_qwen):
         for i, (p, c, r) in enumerate(triples):
             for text, batched in ((c, chosen[i]), (r, rejected[i])):
                 ids = tok(p + text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                alone = common.sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+                alone = sampling.sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
                 assert alone.item() == pytest.approx(batched.item(), abs=1e-4)
     loss, m = reward.bradley_terry_loss(chosen, rejected)
     assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(chosen - rejected).mean().item(), rel=1e-6)

@@ -1,0 +1,309 @@
+"""Memory accounting: the plan (`--estimate_memory`, from config.json alone) and the
+measurement of a real run (`log_memory` -> <output_dir>/memory.json), row for row, so a plan can
+be checked line by line (tests/test_memory.py). Knows no script: each script says what it holds
+(trained models, frozen models, sequences per micro-batch, rollout sizes) from its own Args.
+GB here means 2**30 bytes.
+"""
+
+import os
+import resource
+import sys
+
+import torch
+
+import common
+import parallel
+import world
+
+
+def tensor_bytes(tensors):
+    """Sum of storage sizes of tensors (or of a module's parameters and buffers); of an FSDP2
+    shard, this rank's part."""
+    if isinstance(tensors, torch.nn.Module):
+        tensors = list(tensors.parameters()) + list(tensors.buffers())
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        t = t.to_local() if parallel.is_sharded_param(t) else t
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:  # tied weights are counted once
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer):
+    return tensor_bytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+
+
+def peak_memory_bytes():
+    """Peak allocated CUDA memory on a GPU; peak resident set size of the process on the CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gb(n):
+    return n / 1024**3
+
+
+# ---------------------------------------------------------------------------- memory plan
+# `--estimate_memory` (the plan, from the config alone) and `log_memory` (the measurement in a
+# real run) print the same rows, so a plan can be checked line by line (tests/test_memory.py).
+# GB here means 2**30 bytes.
+def model_config(args, name=None):
+    """The model's config only (no weights, no tokenizer): a folder holding config.json is enough."""
+    from transformers import AutoConfig
+
+    name = args.model if name is None else name
+    if name == "":  # sft.py's from-scratch model
+        return world.build_model(world.build_tokenizer(), args.hidden_size, args.num_layers).config
+    common.check_model_source(name)
+    return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+
+
+def parameter_numels(config, head="lm"):
+    """Element counts of a model's parameters (tied weights once) and buffers, from a model built
+    on the meta device: exact for any architecture, no memory, well under a second for 1.5B."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = copy.deepcopy(config)
+    if head == "score":  # reward models and critics: the LM head becomes a (hidden -> 1) score head
+        config.num_labels = 1
+    cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    return [p.numel() for p in model.parameters()], sum(b.numel() for b in model.buffers())
+
+
+def optimizer_state_plan(numels, optim, dtype):
+    """Bytes of AdamW's two moments for parameters of these sizes.
+
+    adamw_8bit (bitsandbytes): tensors of >= 4096 elements keep each moment in uint8 plus one
+    fp32 absmax per block of 256, i.e. ~2.03 bytes/param; smaller tensors keep fp32 moments (8
+    bytes/param); plus two shared 256-entry fp32 quantisation maps. adamw (torch): two moments
+    like the weights, in fp32 also for bf16 weights (optimizer_step hands them over as fp32
+    copies), plus a 4-byte step counter per tensor. No master weights in either case: bf16
+    weights are updated with stochastic rounding (see make_optimizer).
+    """
+    if optim == "adamw_8bit":
+        return sum(2 * n + 8 * -(-n // 256) if n >= 4096 else 8 * n for n in numels) + 2 * 256 * 4
+    moment = 2 if dtype == torch.float16 else 4
+    return sum(2 * moment * n + 4 for n in numels)
+
+
+def sr_bucket_numel(numels):
+    """The largest fp32 bucket optimizer_step builds for bf16 weights (same loop as there)."""
+    largest, numel = 0, 0
+    for i, n in enumerate(numels):
+        numel += n
+        if numel >= common.SR_BUCKET_NUMEL or i == len(numels) - 1:
+            largest, numel = max(largest, numel), 0
+    return largest
+
+
+def activation_plan(config, tokens, nbytes, checkpointing):
+    """Bytes autograd keeps for backward over `tokens` (sequences x length) of a Llama/Qwen-style
+    decoder with flash/SDPA attention (no seq x seq scores kept).
+
+    Per token and layer, counted from the tensors saved for backward (saved_tensors_hooks on a
+    tiny Qwen2, exact there): nbytes * (8 h + 4 I + 2 kv) for the norm outputs, q/k/v/o inputs,
+    attention output and the SwiGLU MLP, + 2 h * (4 - nbytes) because RMSNorm saves its input in
+    fp32, + 4 * heads + 8 (attention log-sum-exp, norm statistics). h: hidden size, I:
+    intermediate size, kv: key/value width. With gradient checkpointing only each layer's input
+    (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
+    """
+    h, layers = config.hidden_size, config.num_hidden_layers
+    inter = getattr(config, "intermediate_size", 4 * h)
+    heads = config.num_attention_heads
+    kv = _kv_width(config)
+    per_layer = nbytes * (8 * h + 4 * inter + 2 * kv) + 2 * h * (4 - nbytes) + 4 * heads + 8
+    final_norm = (4 + nbytes) * h
+    if checkpointing:
+        return tokens * (layers * nbytes * h + per_layer + final_norm)
+    return tokens * (layers * per_layer + final_norm)
+
+
+def _kv_width(config):
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+
+
+def logits_plan(config, rows):
+    """Peak bytes of completion_logprobs' fp32 logits: one checkpointed chunk of <= 2**26 // vocab
+    completion tokens at a time, about four (rows, vocab) fp32 tensors of it alive at once (head
+    output, tempered logits, and in backward their softmax and gradient)."""
+    vocab = config.vocab_size
+    return min(rows, max(1, 2**26 // vocab)) * vocab * 16
+
+
+def generation_plan(config, sequences, prompt_length, completion_length, nbytes):
+    """Bytes of sampling `sequences` at once: the KV cache (2 x layers x kv width per token) plus
+    the prefill's transient MLP activations and fp32 next-token logits."""
+    h, layers, kv = config.hidden_size, config.num_hidden_layers, _kv_width(config)
+    inter = getattr(config, "intermediate_size", 4 * h)
+    cache = 2 * layers * kv * nbytes * sequences * (prompt_length + completion_length)
+    prefill = sequences * prompt_length * (3 * inter + 4 * h) * nbytes
+    return cache + prefill + 3 * sequences * config.vocab_size * 4
+
+
+
+
+def estimate_memory(args, *, train_sequences, prompt_length, completion_length, head="lm", reference=None,
+                    critic_from=None, reward_models=None, reward_note="", generation_sequences=0,
+                    generation_length=None, offload=False):
+    """The memory plan of a script that holds these things: a list of (component, bytes, note).
+
+    What the script holds, from its own Args:
+      head                  "lm" for a policy; "score" for a model trained with a scalar head;
+      reference             None: not part of this algorithm; True: a frozen copy of the policy;
+                            a string: not held, and why ("--beta 0");
+      critic_from           folder of the model a trained critic (scalar head) starts from;
+      reward_models         None: not part of this algorithm; else folders of frozen reward
+                            models (maybe none: `reward_note` says what scores instead);
+      train_sequences       sequences of prompt_length + completion_length tokens in one
+                            training forward (a micro-batch);
+      generation_sequences  sequences sampled at once, `generation_length` new tokens each;
+      offload               frozen models wait on the CPU (--offload_frozen).
+
+    Static rows (weights, gradients, optimizer states, frozen models) are exact counts from the
+    config; the last row is the larger of the training micro-batch (activations + one chunk of
+    logits) and the rollout (generation) or the optimizer step's fp32 bucket, which never
+    coexist. Not counted: the CUDA context (~0.5 GB) and allocator fragmentation.
+    """
+    dtype = common.torch_dtype(args.dtype)
+    nb = dtype.itemsize
+    config = model_config(args)
+    numels, buffers = parameter_numels(config, head)
+    weights = (sum(numels) + buffers) * nb
+    P, C, gen_len = prompt_length, completion_length, generation_length or completion_length
+    ckpt = args.gradient_checkpointing
+    opt_note = {"adamw_8bit": "8-bit AdamW: ~2 bytes/param", "adamw": "AdamW: 8 bytes/param (fp32 moments)"}[args.optim]
+    rows = [("policy weights", weights, f"{sum(numels) / 1e6:,.1f}M params x {nb} bytes ({dtype})"),
+            ("gradients", sum(numels) * nb, f"{dtype}, like the weights"),
+            ("optimizer states", optimizer_state_plan(numels, args.optim, dtype), opt_note + "; no master weights")]
+    where = " (on the CPU: --offload_frozen)" if offload else ""
+    if reference is not None:
+        held = reference is True
+        rows.append(("reference model", weights if held and not offload else 0,
+                     "frozen copy of the policy" + where if held else f"none: {reference}"))
+    if critic_from is not None:
+        c_config = _config_or_policy(args, critic_from, config)
+        c_numels, c_buffers = parameter_numels(c_config, "score")
+        rows += [("critic weights", (sum(c_numels) + c_buffers) * nb, f"{sum(c_numels) / 1e6:,.1f}M params, score head"),
+                 ("critic gradients", sum(c_numels) * nb, ""),
+                 ("critic optimizer states", optimizer_state_plan(c_numels, args.optim, dtype), opt_note)]
+    reward_bytes, notes = 0, []
+    for path in [p for p in reward_models or [] if p]:
+        r_numels, r_buffers = parameter_numels(_config_or_policy(args, path, config), "score")
+        reward_bytes += (sum(r_numels) + r_buffers) * nb
+        notes.append(path if os.path.exists(os.path.join(path, "config.json")) else f"{path} (not found: policy-shaped)")
+    if reward_models is not None:
+        rows.append(("reward model", 0 if offload else reward_bytes,
+                     ", ".join(notes) + where if notes else f"none: {reward_note}"))
+
+    # the largest transient: a training micro-batch, a rollout, or the optimizer step's fp32 bucket
+    logits = logits_plan(config, train_sequences * C) if head == "lm" else 0  # a score head has no vocabulary
+    train = activation_plan(config, train_sequences * (P + C), nb, ckpt) + logits
+    if critic_from is not None:
+        train += activation_plan(c_config, train_sequences * (P + C), nb, ckpt)
+    gen = generation_plan(config, generation_sequences, P, gen_len, nb) if generation_sequences else 0
+    visit = max(weights, reward_bytes) if offload else 0  # a frozen model on the device for its pass
+    bucket = 8 * sr_bucket_numel(numels) if dtype == torch.bfloat16 else 0
+    peak = max(train, gen, visit, bucket)
+    if peak == train:
+        what = (f"training micro-batch: {train_sequences} x ({P}+{C}) tokens{', checkpointed' if ckpt else ''}"
+                + (", + one logits chunk" if logits else ""))
+    elif peak == gen:
+        what = f"generation: KV cache of {generation_sequences} x ({P}+{gen_len}) tokens, prefill, logits"
+    elif peak == visit:
+        what = "--offload_frozen: one frozen model on the device for its forward pass"
+    else:
+        what = "optimizer step: fp32 copy of the largest bf16 bucket"
+    rows.append(("activations", peak, what))
+    return rows
+
+
+def _config_or_policy(args, path, policy_config):
+    """A frozen model's config if its folder exists, else the policy's (e.g. before reward.py ran)."""
+    if path and os.path.exists(os.path.join(path, "config.json")):
+        return model_config(args, path)
+    return policy_config
+
+
+def memory_table(rows, title):
+    """The rows as text, one per component, the last one `total ... GB`."""
+    width = max(len(r[0]) for r in rows + [("total", 0, "")])
+    lines = [title, f"{'component':<{width}}  {'GB':>8}  {'MiB':>10}  note"]
+    for name, n, note in rows:
+        lines.append(f"{name:<{width}}  {gb(n):8.3f}  {n / 2**20:10.1f}  {note}")
+    total = sum(n for _, n, _ in rows)
+    lines.append(f"{'total':<{width}}  {gb(total):8.3f}  {total / 2**20:10.1f}  GB = 2**30 bytes")
+    return "\n".join(lines)
+
+
+def print_plan(args, **holds):
+    """--estimate_memory: print estimate_memory(args, **holds) as a table and exit."""
+    dtype = common.torch_dtype(args.dtype)
+    script = os.path.basename(sys.argv[0])
+    title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
+             f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
+             f"per device, estimated from the config)")
+    print(memory_table(estimate_memory(args, **holds), title))
+    sys.exit(0)
+
+
+_MEMORY_LOGGED = set()  # output folders whose memory.json holds a complete measurement
+
+
+def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
+    """Measure the memory plan's rows in a real run, on the training device: the trained model's
+    weights, gradients and optimizer states (and the critic's, which may share the optimizer),
+    and each `frozen` component ({row name: a model, a list of models, or None when absent}),
+    plus the peak so far; write <output_dir>/memory.json and print the table.
+
+    Call it right before every optimizer step: it measures once, at the first call where every
+    optimizer already has its states (they are created by the first step), and returns at once
+    after that. A run of one step records what it has (optimizer states 0).
+    """
+    if output_dir in _MEMORY_LOGGED or not parallel.is_main():  # under torchrun: rank 0's device stands for all
+        return
+
+    def tensors(c):  # a module's parameters and buffers, or a list of tensors and modules
+        items = [c] if isinstance(c, torch.nn.Module) else list(c or [])
+        out = []
+        for t in items:
+            out += list(t.parameters()) + list(t.buffers()) if isinstance(t, torch.nn.Module) else [t]
+        return out
+
+    def on_device(ts):  # device memory only (not models offloaded to the CPU); FSDP2: this rank's shard
+        ts = [t.to_local() if hasattr(t, "to_local") else t for t in ts if torch.is_tensor(t)]
+        return tensor_bytes([t for t in ts if t.device.type == common.device().type])
+
+    components = {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+                  "optimizer states": (optimizer, model)}
+    if critic is not None:
+        components.update({"critic weights": critic, "critic gradients": [p.grad for p in critic.parameters()],
+                           "critic optimizer states": (optimizer, critic)})
+    components.update(frozen or {})
+    measured, complete = {}, True
+    for name, c in components.items():
+        if isinstance(c, tuple):  # (optimizer, module): the states of that module's parameters only
+            states = [c[0].state[p] for p in c[1].parameters() if p in c[0].state]
+            complete = complete and bool(states)
+            measured[name] = on_device(v for s in states for v in s.values())
+        else:
+            measured[name] = on_device(tensors(c))
+    peak = peak_memory_bytes()
+    kind = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS of the process"
+    common.write_json(os.path.join(output_dir, "memory.json"), {
+        "components": measured, "total_bytes": sum(measured.values()), "peak_bytes": peak, "peak_kind": kind,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "complete": complete})
+    if complete:
+        _MEMORY_LOGGED.add(output_dir)
+        rows = [(name, n, "measured") for name, n in measured.items()]
+        print(memory_table(rows, f"measured memory (peak so far: {gb(peak):.3f} GB, {kind}):"))

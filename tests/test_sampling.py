@@ -1,0 +1,133 @@
+"""sampling.py against trusted references: completion log-probs against a full log-softmax
+(chunked head, shared prompts, gradients), greedy decoding against HF `generate`, the sampling
+filters, generation masks and truncation flags, reward-model scores at the last real token, and
+the form in which reward functions receive completions."""
+
+import pytest
+import torch
+
+import common
+import sampling
+import world
+
+
+# ------------------------------------------------------------------ log-probs
+def _naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
+    logits = logits[:, prompt_ids.shape[1] - 1:-1].float() / temperature  # full (B, C, V) softmax
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
+    ent = -(logp.exp() * logp).sum(-1) * completion_mask
+    return lp, ent
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 3])
+def test_completion_logprobs_match_full_softmax(chunk_tokens):
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    prompts = ["POST: alice bought the bike .\nTL;DR:", "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"]
+    p_ids, p_mask = common.encode_prompts(tok, prompts)
+    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " bob lost phone . nobody knows"])
+    assert p_mask[0, 0] == 0 and c_mask[0, -1] == 0  # left- and right-padding are both exercised
+    lp, ent = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7,
+                                         with_entropy=True, chunk_tokens=chunk_tokens)
+    ref_lp, ref_ent = _naive_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    assert (lp[c_mask == 0] == 0).all()
+    # gradients agree too (the chunks are checkpointed)
+    g1 = torch.autograd.grad(lp.sum(), model.model.layers[0].self_attn.q_proj.weight)[0]
+    lp2, _ = _naive_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7)
+    g2 = torch.autograd.grad(lp2.sum(), model.model.layers[0].self_attn.q_proj.weight)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_match_repeated_prompts(checkpointing):
+    """k completions per prompt: one prompt pass whose KV cache is repeated gives the same
+    log-probs and gradients as k copies of the prompt (with checkpointing: the repeat fallback)."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    if checkpointing:
+        common.enable_checkpointing(model)
+    model.train()
+    prompts = ["POST: alice bought the bike .\nTL;DR:", "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"]
+    p_ids, p_mask = common.encode_prompts(tok, prompts)
+    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " alice .", " bob lost phone . nobody knows",
+                                                    " bob ."])  # rows 0, 1 continue prompt 0; rows 2, 3 prompt 1
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7)
+    (g_shared,) = torch.autograd.grad(lp.sum(), weight)
+    ref_lp, _ = _naive_logprobs(model, p_ids.repeat_interleave(2, 0), p_mask.repeat_interleave(2, 0), c_ids, c_mask, 0.7)
+    (g_ref,) = torch.autograd.grad(ref_lp.sum(), weight)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_shared, g_ref, atol=1e-5, rtol=1e-4)
+    assert g_ref.abs().sum() > 0  # the prompt's keys get gradient through the shared cache
+
+
+def test_generate_greedy_matches_hf_generate():
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:",
+                                            "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"])
+    c, cm, _ = sampling.generate(model, tok, ids, mask, max_new_tokens=8, do_sample=False, num_return_sequences=3)
+    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+    hf = hf[:, :c.shape[1]].repeat_interleave(3, 0).masked_fill(cm == 0, tok.pad_token_id)
+    assert torch.equal(c, hf)  # rows 3i..3i+2 are prompt i's, all equal under greedy decoding
+
+
+def test_sampling_filters_keep_top_k_and_the_nucleus():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
+    torch.manual_seed(0)
+    assert set(sampling._next_token(logits, 1.0, 1.0, 2, True).tolist()) == {0, 1}
+    probs = logits[0].softmax(-1)  # 0.64, 0.23, 0.09, ...: the 0.8-nucleus is the first two tokens
+    assert set(sampling._next_token(logits, 1.0, 0.8, 0, True).tolist()) == {0, 1}
+    assert set(sampling._next_token(logits, 1.0, float(probs[0]) - 1e-3, 0, True).tolist()) == {0}
+    assert sampling._next_token(logits, 1.0, 1.0, 0, False).eq(0).all()
+    full = sampling._next_token(logits, 1.0, 1.0, 0, True)
+    assert abs((full == 2).float().mean() - probs[2]) < 0.03  # plain sampling follows the softmax
+
+
+# ------------------------------------------------------------------ generation
+def test_generate_masks_after_eos_and_flags_truncation():
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    with torch.no_grad():  # make EOS likely after a couple of tokens but not certain
+        model.lm_head.weight[tok.eos_token_id] *= 0
+    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"] * 16)
+    torch.manual_seed(0)
+    c, cm, truncated = sampling.generate(model, tok, ids, mask, max_new_tokens=6, temperature=1.0)
+    for row, m, tr in zip(c.tolist(), cm.tolist(), truncated.tolist()):
+        n = sum(m)
+        assert m == [1] * n + [0] * (len(m) - n)
+        assert all(t == tok.pad_token_id for t in row[n:])
+        if tr:
+            assert tok.eos_token_id not in row[:n] and n == 6
+        else:
+            assert row[n - 1] == tok.eos_token_id and tok.eos_token_id not in row[:n - 1]
+
+
+def test_sequence_scores_read_the_last_real_token():
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = world.build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    prompts, completions = ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost it .\nTL;DR:"], [" alice .", " bob lost phone ."]
+    batch = sampling.reward_model_scores(rm, tok, prompts, completions)
+    for i in range(2):  # each alone, without any padding
+        ids = tok(prompts[i] + completions[i])["input_ids"] + [tok.eos_token_id]
+        alone = rm(input_ids=torch.tensor([ids])).logits[0, 0]
+        assert batch[i].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_reward_completions_take_trls_form():
+    """Text prompts get the text; conversational prompts one assistant message (TRL's form)."""
+    conversation = [{"role": "user", "content": "hi"}]
+    assert sampling.reward_completions(["POST: x TL;DR:"], [" alice ."]) == [" alice ."]
+    assert sampling.reward_completions([conversation], [" alice ."]) == [[{"role": "assistant", "content": "alice ."}]]
