@@ -3,7 +3,15 @@
 Every policy answers the same held-out prompts with the same sampling settings and seed; a judge
 decides, prompt by prompt, which of two responses is better; the statistics say how sure we can
 be. A point-estimate win rate on 200 prompts moves by +-0.07 from the prompts alone, so every
-number here comes with a 95% confidence interval:
+number here comes with a 95% confidence interval.
+
+A policy is a folder (one training run) or a *method*: NAME=PATTERN[,PATTERN...], the runs of
+one recipe over training seeds (`'grpo=runs/seed*/grpo'`; sweep.py trains them and prints the
+command). A method's numbers average over its runs (win rates: over every pair of runs of the
+two methods, on every prompt), and each gets two CIs side by side: the prompt-only one (the
+runs fixed: is *this* run better than *that* run?) and the two-level one (each method's runs
+resampled, then the prompts: is the *method* better, or was it a lucky seed? see `mean_cis`).
+With one run per method the two are equal and every number is what a prompt-only eval gives.
 
 - pairwise win rate of policy a over policy b (ties count half), for every pair of policies and
   for every policy against the dataset's references when it has them; its CI is a *paired*
@@ -24,9 +32,14 @@ Judges (--judge):
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
   cancels position bias (Zheng et al. 2023, MT-Bench): a judge that always says "A" gives 0.5.
+  A comparison whose averaged P(a better) is within --tie_margin (0.05) of 0.5 is a tie: a judge
+  with no preference (a random one says 0.50004) must not hand out wins. Outside the margin the
+  more likely side wins the whole game (not a fractional P(a) win), as with score judges.
 
 Departures and choices:
 - identical responses are a tie, whatever the judge (no judge call is made for them);
+- a pair of methods is judged on every pair of their runs: R_a x R_b comparisons per prompt
+  (free for score judges, R_a x R_b times the calls for --judge llm);
 - Bradley-Terry gets one virtual drawn game per pair of policies (a weak prior), so a policy
   that wins or loses every game still gets a finite Elo; it shrinks Elo gaps a little (200
   prompts at a 70% win rate: by under 1 point, far inside the CI);
@@ -38,6 +51,7 @@ Departures and choices:
 
 Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
+    python eval.py sft=runs/sft 'grpo=runs/seed*/grpo' 'mine=runs/seed*/my_grpo'   # methods over seeds
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
 """
