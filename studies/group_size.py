@@ -81,13 +81,25 @@ def measure_gradients(model_path, num_gradients, seed):
     out = {}
     for G, _ in GROUPS:
         g = torch.stack(grads[G])  # (K, P)
-        variance = float(((g - g.mean(0)) ** 2).sum(1).sum() / (num_gradients - 1))  # V
-        signal = float((g.mean(0) ** 2).sum()) - variance / num_gradients  # S
+        variance, signal = variance_and_signal(g)
+        # jackknife standard errors (leave one batch out; Efron & Tibshirani 1993, Ch. 11)
+        loo = [variance_and_signal(torch.cat([g[:k], g[k + 1:]])) for k in range(num_gradients)]
+        def jackknife_se(values):
+            values = np.asarray(values)
+            return float(np.sqrt((len(values) - 1) / len(values) * ((values - values.mean()) ** 2).sum()))
         out[G] = {"grad_variance": variance, "grad_signal": signal, "noise_to_signal": variance / signal,
+                  "grad_variance_se": jackknife_se([v for v, _ in loo]),
+                  "noise_to_signal_se": jackknife_se([v / s for v, s in loo]),
                   **{key: float(np.mean(v)) for key, v in stats[G].items()},
                   "rollout_seconds_sd": float(np.std(stats[G]["rollout_seconds"])),
                   "update_seconds_sd": float(np.std(stats[G]["update_seconds"]))}
     return out
+
+
+def variance_and_signal(g):
+    """V = 1/(K-1) sum_k ||g_k - mean g||^2 and S = ||mean g||^2 - V / K for K gradients (K, P)."""
+    variance = float(((g - g.mean(0)) ** 2).sum() / (g.shape[0] - 1))
+    return variance, float((g.mean(0) ** 2).sum()) - variance / g.shape[0]
 
 
 def read_runs(runs_dir):
@@ -102,6 +114,8 @@ def read_runs(runs_dir):
                 metrics = [json.loads(line) for line in f]
             rows.append({"run": run, "gold_score": summary["gold_score"], "seconds_per_step": summary["seconds_per_step"],
                          "train_seconds": summary["train_seconds"],
+                         "reward_curve": [m["reward"] for m in metrics],  # mean gold of the step's samples
+                         "reward_first_half": float(np.mean([m["reward"] for m in metrics[:len(metrics) // 2]])),
                          **{key: float(np.mean([m[key] for m in metrics])) for key in ("reward_std", "frac_reward_zero_std", "grad_norm")}})
         if not rows:
             common.fail(f"no runs for G={G} under {runs_dir}: run the sweep of STUDIES.md first.")
@@ -116,7 +130,7 @@ def plot(path, runs, results, measured, baseline):
     import matplotlib.pyplot as plt
 
     Gs = [G for G, _ in GROUPS]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     ax = axes[0]
     for j, G in enumerate(Gs):
         p = results["policies"][f"G{G}"]
@@ -143,10 +157,19 @@ def plot(path, runs, results, measured, baseline):
     ax.set_title("Latency per step (mean +- sd)")
     ax.legend(fontsize=7)
     ax = axes[2]
-    ax.plot(range(3), [measured[G]["noise_to_signal"] for G in Gs], "o-", color="tab:red")
+    ax.errorbar(range(3), [measured[G]["noise_to_signal"] for G in Gs], yerr=[measured[G]["noise_to_signal_se"] for G in Gs],
+                fmt="o-", capsize=4, color="tab:red")
     ax.set_xticks(range(3), [f"G={G}" for G in Gs])
     ax.set_ylabel("tr Cov(g) / ||E g||^2")
-    ax.set_title("Gradient noise-to-signal at the SFT policy")
+    ax.set_title("Gradient noise-to-signal at SFT (+- jackknife se)")
+    ax = axes[3]
+    for G in Gs:  # training reward, mean over seeds, 10-step moving average
+        curve = np.mean([r["reward_curve"] for r in runs[G]], 0)
+        ax.plot(np.arange(10, len(curve) + 1), np.convolve(curve, np.ones(10) / 10, "valid"), label=f"G={G}")
+    ax.set_xlabel("step (64 completions each)")
+    ax.set_ylabel("reward of the samples (gold)")
+    ax.set_title("Training reward, mean of seeds")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -180,8 +203,8 @@ def main():
     wins = {(r["policy_a"], r["policy_b"]): r for r in results["pairwise"]}
     print("| G x prompts | gold per seed | gold (95% CI prompts) | 95% CI seeds + prompts | win rate vs sft (seeds + prompts CI) "
           "| s/step in training (seeds) | rollout s / update s per 64 (interleaved) | completions/s | reward_std | "
-          "frac_reward_zero_std | grad noise-to-signal |")
-    print("|" + "---|" * 11)
+          "frac_reward_zero_std | train reward, first half | grad noise-to-signal |")
+    print("|" + "---|" * 12)
     for G, batch_size in GROUPS:
         p, m, rs = results["policies"][f"G{G}"], measured[G], runs[G]
         w = wins[f"G{G}", "sft"]
@@ -192,7 +215,8 @@ def main():
               f"{sps} | {m['rollout_seconds']:.2f} / {m['update_seconds']:.2f} | "
               f"{64 / (m['rollout_seconds'] + m['update_seconds']):.0f} | "
               f"{np.mean([r['reward_std'] for r in rs]):.3f} | {np.mean([r['frac_reward_zero_std'] for r in rs]):.3f} | "
-              f"{m['noise_to_signal']:.2f} |")
+              f"{np.mean([r['reward_first_half'] for r in rs]):.3f} | "
+              f"{m['noise_to_signal']:.1f} +- {m['noise_to_signal_se']:.1f} |")
     print("\nPairs (win rate of a, 95% CI prompts | seeds + prompts):")
     for r in results["pairwise"]:
         print(f"| {r['policy_a']} | {r['policy_b']} | {r['win_rate']:.3f} ({r['ci_low']:.3f}, {r['ci_high']:.3f}) | "
