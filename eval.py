@@ -170,12 +170,17 @@ def mean_cis(values, prompt_counts, run_counts, all_runs):
     Two-level bootstrap (Davison & Hinkley 1997, Sec. 3.8, hierarchical data; Owen 2007, "The
     pigeonhole bootstrap", for crossed factors such as runs x prompts): draw each method's runs
     with replacement, independently of the prompts, draw the prompts with replacement (the same
-    for every run), recompute the mean; the percentile interval of the replicates is the CI. It
-    answers "would another set of training seeds and prompts give the same number?", where the
-    prompt-only CI answers "would other prompts, for these very runs?". Resampling both factors
-    counts the run x prompt interaction twice, so the interval is slightly conservative with
-    many runs; with few runs (R = 3) it is too narrow, as every bootstrap of R clusters is
-    (variance shrunk by (R - 1) / R, and only a few distinct resamples): see
+    for every run), recompute the mean; the percentile interval of the replicates is the CI.
+    For a win rate of method a (runs r = 1..R_a) over b (runs s = 1..R_b) on n prompts:
+        theta    = 1/(R_a R_b n) sum_{r,s,i} o_rsi
+        theta*_b = sum_{r,s} (c_br / R_a) (d_bs / R_b) sum_i (w_bi / n) o_rsi
+    with run counts c_b ~ Multinomial(R_a, 1/R_a), d_b ~ Multinomial(R_b, 1/R_b) and prompt counts
+    w_b ~ Multinomial(n, 1/n) shared by every run; the prompt-only CI sets c = d = 1.
+    The two-level CI answers "would another set of training seeds and prompts give the same
+    number?", the prompt-only one "would other prompts, for these very runs?". Resampling both
+    factors overstates the run x prompt interaction's share (Owen 2007), so with many runs the
+    interval is slightly conservative; with few (R = 3) it is too narrow, as every bootstrap of
+    R clusters is (variance shrunk by (R - 1) / R, few distinct resamples): see
     tests/test_eval.py::test_two_level_bootstrap_coverage for the measured coverage.
     """
     n = values.shape[-1]

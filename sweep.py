@@ -27,6 +27,7 @@ Run:
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -78,6 +79,7 @@ def main():
     methods = {}  # setting name -> its run folders
     for setting in settings:
         name = "-".join(f"{f.lstrip('-')}{v}" for f, v in zip(flags, setting)) or os.path.splitext(os.path.basename(script))[0]
+        name = re.sub(r"[^A-Za-z0-9._+-]", "_", name)  # a folder name, and a method name for eval.py
         for seed in seeds:
             run = os.path.join(output_dir, name, f"seed{seed}")
             methods.setdefault(name, []).append(run)

@@ -61,6 +61,9 @@ def test_without_zip_every_combination(fake, tmp_path):
     run_script("sweep.py", str(fake), "--num_generations", "4,8", "--beta", "0,0.04", "--output_dir", str(out))
     assert sorted(p.parent.parent.name for p in out.glob("*/seed0/summary.json")) == [
         "num_generations4-beta0", "num_generations4-beta0.04", "num_generations8-beta0", "num_generations8-beta0.04"]
+    # values that are paths give folder names eval.py accepts as method names
+    run_script("sweep.py", str(fake), "--model", "runs/sft,Qwen/Qwen2.5-0.5B", "--output_dir", str(out / "models"))
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["modelQwen_Qwen2.5-0.5B", "modelruns_sft"]
 
 
 def test_failures_are_loud(fake, tmp_path):
