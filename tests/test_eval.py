@@ -1,5 +1,7 @@
-"""eval.py: bootstrap coverage, Bradley-Terry recovery, the LLM judge's position swap, and an
-end-to-end run on two tiny policies (gold judge, then an LLM judge reusing the cached generations)."""
+"""eval.py: bootstrap coverage (prompt-only, and two-level over training seeds against a direct
+simulation), one run per method == the prompt bootstrap, Bradley-Terry recovery, the LLM judge's
+position swap and ties, methods on the command line, and end-to-end runs on tiny policies (gold
+judge, an LLM judge reusing the cached generations, and two methods of two runs each)."""
 
 import json
 import os
