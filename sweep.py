@@ -75,7 +75,8 @@ def parse(argv):
 def main():
     script, seeds, axes, zipped, output_dir, fixed = parse(sys.argv[1:])
     flags = [flag for flag, _ in axes]
-    settings = list(zip(*[v for _, v in axes])) if zipped else list(itertools.product(*[v for _, v in axes]))
+    values = [v for _, v in axes]
+    settings = list(zip(*values)) if zipped and axes else list(itertools.product(*values))  # [()] without axes
     methods = {}  # setting name -> its run folders
     for setting in settings:
         name = "-".join(f"{f.lstrip('-')}{v}" for f, v in zip(flags, setting)) or os.path.splitext(os.path.basename(script))[0]

@@ -64,6 +64,8 @@ def test_without_zip_every_combination(fake, tmp_path):
     # values that are paths give folder names eval.py accepts as method names
     run_script("sweep.py", str(fake), "--model", "runs/sft,Qwen/Qwen2.5-0.5B", "--output_dir", str(out / "models"))
     assert sorted(p.name for p in (out / "models").iterdir()) == ["modelQwen_Qwen2.5-0.5B", "modelruns_sft"]
+    run_script("sweep.py", str(fake), "--seeds", "4", "--zip", "--output_dir", str(out / "no_axes"))
+    assert (out / "no_axes/fake_grpo/seed4/summary.json").exists()  # seeds alone, with or without --zip
 
 
 def test_failures_are_loud(fake, tmp_path):
