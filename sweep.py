@@ -90,7 +90,7 @@ def main():
             cmd = [sys.executable, script, *[x for f, v in zip(flags, setting) for x in (f, v)], *fixed,
                    "--seed", seed, "--output_dir", run]
             print("sweep: " + " ".join(cmd[1:]), flush=True)
-            code = subprocess.run(cmd).returncode
+            code = subprocess.run(cmd, check=False).returncode  # a failure stops the sweep below, loudly
             if code != 0:
                 fail(f"{run} failed (exit code {code}); fix it and run the same command again: finished runs are skipped.")
     # the comparison: eval.py reads NAME=PATTERN as one method whose runs are the matching folders

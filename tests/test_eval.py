@@ -134,7 +134,7 @@ def test_two_level_bootstrap_without_seed_effect_stays_close_to_prompt_only():
     """No seed effect, runs nearly identical: the two-level CI is not much wider than the
     prompt-only one (the second level adds only what the runs disagree on)."""
     rng = np.random.default_rng(1)
-    a, b = simulate_methods(rng, 4, 200, 0.3, seed_sd=0.0, noise_sd=0.01)
+    a, _ = simulate_methods(rng, 4, 200, 0.3, seed_sd=0.0, noise_sd=0.01)
     counts, run_counts, all_runs = ev.bootstrap_plan(200, [4, 4], 500, seed=0)
     _, lo, hi, seed_lo, seed_hi = ev.mean_cis(a, counts, run_counts[:1], all_runs[:1])
     assert seed_hi - seed_lo < 1.05 * (hi - lo)
