@@ -3,7 +3,15 @@
 Every policy answers the same held-out prompts with the same sampling settings and seed; a judge
 decides, prompt by prompt, which of two responses is better; the statistics say how sure we can
 be. A point-estimate win rate on 200 prompts moves by +-0.07 from the prompts alone, so every
-number here comes with a 95% confidence interval:
+number here comes with a 95% confidence interval.
+
+A policy is a folder (one training run) or a *method*: NAME=PATTERN[,PATTERN...], the runs of
+one recipe over training seeds (`'grpo=runs/seed*/grpo'`; sweep.py trains them and prints the
+command). A method's numbers average over its runs (win rates: over every pair of runs of the
+two methods, on every prompt), and each gets two CIs side by side: the prompt-only one (the
+runs fixed: is *this* run better than *that* run?) and the two-level one (each method's runs
+resampled, then the prompts: is the *method* better, or was it a lucky seed? see `mean_cis`).
+With one run per method the two are equal and every number is what a prompt-only eval gives.
 
 - pairwise win rate of policy a over policy b (ties count half), for every pair of policies and
   for every policy against the dataset's references when it has them; its CI is a *paired*
@@ -24,9 +32,14 @@ Judges (--judge):
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
   cancels position bias (Zheng et al. 2023, MT-Bench): a judge that always says "A" gives 0.5.
+  A comparison whose averaged P(a better) is within --tie_margin (0.05) of 0.5 is a tie: a judge
+  with no preference (a random one says 0.50004) must not hand out wins. Outside the margin the
+  more likely side wins the whole game (not a fractional P(a) win), as with score judges.
 
 Departures and choices:
 - identical responses are a tie, whatever the judge (no judge call is made for them);
+- a pair of methods is judged on every pair of their runs: R_a x R_b comparisons per prompt
+  (free for score judges, R_a x R_b times the calls for --judge llm);
 - Bradley-Terry gets one virtual drawn game per pair of policies (a weak prior), so a policy
   that wins or loses every game still gets a finite Elo; it shrinks Elo gaps a little (200
   prompts at a 70% win rate: by under 1 point, far inside the CI);
@@ -38,10 +51,12 @@ Departures and choices:
 
 Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
+    python eval.py sft=runs/sft 'grpo=runs/seed*/grpo' 'mine=runs/seed*/my_grpo'   # methods over seeds
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
 """
 
+import glob
 import hashlib
 import json
 import os
@@ -69,7 +84,7 @@ JUDGE_TEMPLATE = (
 @dataclass
 class Args(TrainArgs):
     # model and data
-    policies: list[str] = field(default_factory=list, metadata={"help": "Policy folders or Hub ids to compare (also accepted as bare arguments: python eval.py runs/sft runs/dpo). The first is the Elo anchor."})
+    policies: list[str] = field(default_factory=list, metadata={"help": "Policies to compare (also accepted as bare arguments: python eval.py runs/sft runs/dpo): a folder or Hub id, or NAME=PATTERN[,PATTERN...], a method whose runs (training seeds) are the folders matching the glob patterns (quote them: 'grpo=runs/seed*/grpo'). The first is the Elo anchor."})
     model: str = field(default="", metadata={"help": "Unused: pass the policies as arguments (python eval.py runs/sft runs/dpo)."})
     dataset_split: str = field(default="test", metadata={"help": "Split of --dataset to evaluate on (Hub datasets and folders)."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column of --dataset holding the prompts (text or {role, content} messages)."})
@@ -85,7 +100,8 @@ class Args(TrainArgs):
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders)."})
     reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge) or file.py:function, called as fn(prompts, completions, **columns)."})
-    num_bootstrap: int = field(default=1000, metadata={"help": "Bootstrap resamples of the prompts for every confidence interval."})
+    num_bootstrap: int = field(default=1000, metadata={"help": "Bootstrap resamples (of the prompts, and of each method's runs) for every confidence interval."})
+    tie_margin: float = field(default=0.05, metadata={"help": "With --judge llm: a comparison whose position-swapped P(a is better) is within this of 0.5 is a tie (the judge has no preference)."})
 
 
 # ============================================================================ statistics
@@ -94,9 +110,52 @@ def outcomes_from_scores(score_a, score_b):
     return (np.sign(np.asarray(score_a, float) - np.asarray(score_b, float)) + 1) / 2
 
 
+def outcomes_from_probs(prob_a, tie_margin):
+    """Per-prompt result of a against b from a judge's P(a is better) (n,): a tie when the
+    probability is within tie_margin of 0.5 (the judge has no preference), else 1 or 0."""
+    prob_a = np.asarray(prob_a, float)
+    return np.where(np.abs(prob_a - 0.5) <= tie_margin, 0.5, (prob_a > 0.5).astype(float))
+
+
 def bootstrap_indices(n, num_bootstrap, seed):
     """Prompt indices of each bootstrap resample, shared by every statistic: (B, n)."""
     return np.random.default_rng(seed).integers(0, n, size=(num_bootstrap, n))
+
+
+def resample_counts(idx, n):
+    """How often each of n units is drawn in each resample, from the drawn indices (B, m): (B, n)."""
+    counts = np.zeros((idx.shape[0], n))
+    np.add.at(counts, (np.arange(idx.shape[0])[:, None], idx), 1)
+    return counts
+
+
+def bootstrap_plan(n, num_runs, num_bootstrap, seed):
+    """The resamples behind every CI: prompt counts (B, n), shared by all policies (paired), and
+    per method the run counts of the two-level bootstrap (B, R_m) and of the prompt-only one (all
+    ones: every run kept once). The prompts are drawn as bootstrap_indices(n, B, seed), so one run
+    per method gives exactly the numbers of a prompt-only bootstrap; the runs come from a second
+    stream, one method after the other."""
+    prompt_counts = resample_counts(bootstrap_indices(n, num_bootstrap, seed), n)
+    rng = np.random.default_rng([seed, 1])
+    run_counts = [resample_counts(rng.integers(0, r, size=(num_bootstrap, r)), r) for r in num_runs]
+    all_runs = [np.ones((num_bootstrap, r)) for r in num_runs]
+    return prompt_counts, run_counts, all_runs
+
+
+def resampled_totals(values, prompt_counts, run_counts):
+    """Bootstrap replicates of sum_i v_i over the prompts, averaged over runs: (B,).
+
+    values: (R_1, .., R_k, n), one row of per-prompt values per run (k = 1: one method's scores)
+    or per pair of runs (k = 2: outcomes of method a's runs against method b's). prompt_counts
+    (B, n) and run_counts [(B, R_j)] say how often each prompt and each run is drawn in each
+    resample; the prompts are the same for every run (paired). Replicate b is
+        T*_b = sum_{r_1..r_k} (c_b,r_1 / R_1) .. (c_b,r_k / R_k) sum_i w_b,i v_{r_1..r_k, i},
+    the total over the resampled prompts, averaged over the resampled runs; its mean is T*_b / n.
+    """
+    totals = np.moveaxis(values @ prompt_counts.T, -1, 0)  # (B, R_1, .., R_k): each run on the resampled prompts
+    for counts in run_counts:  # average over the resampled runs of each level, first axis first
+        totals = np.einsum("br...,br->b...", totals, counts) / counts.shape[1]
+    return totals  # (B,)
 
 
 def percentile_ci(samples, level=CI_LEVEL):
@@ -105,31 +164,60 @@ def percentile_ci(samples, level=CI_LEVEL):
     return lo, hi
 
 
-def mean_ci(values, idx):
-    """Mean of per-prompt values and its paired-bootstrap CI (resampled prompts idx (B, n))."""
-    values = np.asarray(values, float)
-    lo, hi = percentile_ci(values[idx].mean(1))  # (B,) resampled means
-    return float(values.mean()), float(lo), float(hi)
+def mean_cis(values, prompt_counts, run_counts, all_runs):
+    """Mean of values (R_1, .., R_k, n) over runs and prompts, with its prompt-only CI (runs
+    fixed) and its two-level CI (runs, then prompts, resampled): (mean, lo, hi, seed_lo, seed_hi).
+
+    Two-level bootstrap (Davison & Hinkley 1997, Sec. 3.8, hierarchical data; Owen 2007, "The
+    pigeonhole bootstrap", for crossed factors such as runs x prompts): draw each method's runs
+    with replacement, independently of the prompts, draw the prompts with replacement (the same
+    for every run), recompute the mean; the percentile interval of the replicates is the CI.
+    For a win rate of method a (runs r = 1..R_a) over b (runs s = 1..R_b) on n prompts:
+        theta    = 1/(R_a R_b n) sum_{r,s,i} o_rsi
+        theta*_b = sum_{r,s} (c_br / R_a) (d_bs / R_b) sum_i (w_bi / n) o_rsi
+    with run counts c_b ~ Multinomial(R_a, 1/R_a), d_b ~ Multinomial(R_b, 1/R_b) and prompt counts
+    w_b ~ Multinomial(n, 1/n) shared by every run; the prompt-only CI sets c = d = 1.
+    The two-level CI answers "would another set of training seeds and prompts give the same
+    number?", the prompt-only one "would other prompts, for these very runs?". Resampling both
+    factors overstates the run x prompt interaction's share (Owen 2007), so with many runs the
+    interval is slightly conservative; with few (R = 3) it is too narrow, as every bootstrap of
+    R clusters is (variance shrunk by (R - 1) / R, few distinct resamples): see
+    tests/test_eval.py::test_two_level_bootstrap_coverage for the measured coverage.
+    """
+    n = values.shape[-1]
+    mean = float(values.mean())
+    lo, hi = percentile_ci(resampled_totals(values, prompt_counts, all_runs) / n)
+    seed_lo, seed_hi = percentile_ci(resampled_totals(values, prompt_counts, run_counts) / n)
+    return mean, float(lo), float(hi), float(seed_lo), float(seed_hi)
 
 
-def win_rate_stats(outcomes, idx):
-    """Win rate of a over b from per-prompt outcomes (n,) with its CI and significance flag."""
+def win_rate_stats(outcomes, prompt_counts, run_counts=None, all_runs=None):
+    """Win rate of method a over method b with both CIs and significance flags.
+
+    outcomes: (R_a, R_b, n), each of a's runs against each of b's on every prompt (or (n,) for
+    one run each); run_counts / all_runs: the two-level and the prompt-only run counts of a and
+    b (default: one run each). The win rate is the mean over run pairs and prompts; `significant`
+    uses the two-level CI (equal to the prompt-only one with one run per method)."""
     outcomes = np.asarray(outcomes, float)
-    win_rate, lo, hi = mean_ci(outcomes, idx)
-    return {"win_rate": win_rate, "ci_low": lo, "ci_high": hi, "significant": bool(lo > 0.5 or hi < 0.5),
-            "n": len(outcomes), "wins": int((outcomes == 1).sum()), "ties": int((outcomes == 0.5).sum()),
-            "losses": int((outcomes == 0).sum())}
+    if outcomes.ndim == 1:
+        outcomes = outcomes[None, None]
+    ones = [np.ones((prompt_counts.shape[0], r)) for r in outcomes.shape[:2]]
+    win_rate, lo, hi, seed_lo, seed_hi = mean_cis(outcomes, prompt_counts, run_counts or ones, all_runs or ones)
+    return {"win_rate": win_rate, "ci_low": lo, "ci_high": hi, "seed_ci_low": seed_lo, "seed_ci_high": seed_hi,
+            "significant": bool(seed_lo > 0.5 or seed_hi < 0.5), "prompt_significant": bool(lo > 0.5 or hi < 0.5),
+            "n": outcomes.shape[-1], "runs_a": outcomes.shape[0], "runs_b": outcomes.shape[1],
+            "wins": int((outcomes == 1).sum()), "ties": int((outcomes == 0.5).sum()), "losses": int((outcomes == 0).sum())}
 
 
-def win_matrix(outcomes, k):
+def win_matrix(totals, games, k):
     """wins[..., i, j]: games i won against j, ties counting half to each: (..., k, k).
 
-    outcomes: {(i, j): array (..., n)} of i's results against j, one entry per pair."""
-    first = next(iter(outcomes.values()))
-    wins = np.zeros(first.shape[:-1] + (k, k))
-    for (i, j), o in outcomes.items():
-        wins[..., i, j] += o.sum(-1)
-        wins[..., j, i] += (1 - o).sum(-1)
+    totals: {(i, j): i's total score against j (...)}, one entry per pair; games: games per pair."""
+    first = next(iter(totals.values()))
+    wins = np.zeros(np.shape(first) + (k, k))
+    for (i, j), t in totals.items():
+        wins[..., i, j] += t
+        wins[..., j, i] += games - t
     return wins
 
 
@@ -244,6 +332,43 @@ def policy_names(paths):
     return out
 
 
+def parse_methods(specs):
+    """The command line's policies as methods [(name, [run paths])].
+
+    NAME=PATTERN[,PATTERN...] is a method whose runs are the folders matching the glob patterns
+    (sorted; a pattern without wildcards is one folder or Hub id); a bare folder or Hub id is a
+    method of one run, named as policy_names names it."""
+    bare = iter(policy_names([s for s in specs if "=" not in s]))
+    methods = []
+    for spec in specs:
+        if "=" not in spec:
+            methods.append((next(bare), [spec]))
+            continue
+        name, _, patterns = spec.partition("=")
+        if not name or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
+            common.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
+        paths = []
+        for pattern in patterns.split(","):
+            found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            if not found:
+                common.fail(f"{spec!r}: {pattern!r} matches no folder; check the path (and quote the argument, "
+                            "so the shell leaves the pattern to eval.py).")
+            paths += found
+        methods.append((name, paths))
+    names = [name for name, _ in methods]
+    for name in names:
+        if names.count(name) > 1 or name == REFERENCE:
+            common.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
+                        "rename one with NAME=PATH.")
+    return methods
+
+
+def run_names(methods):
+    """A unique name for every run: the method's name for a method of one run, else
+    method/<folder>, e.g. grpo/seed0."""
+    return [[name] if len(paths) == 1 else [f"{name}/{p}" for p in policy_names(paths)] for name, paths in methods]
+
+
 def weights_fingerprint(path):
     """What identifies a policy's weights: size and mtime of the folder's model files, or, for a
     Hub id, the commit of its cached snapshot."""
@@ -322,44 +447,72 @@ def fmt_ci(value, lo, hi, digits=2):
 
 
 def markdown_report(results, names, has_reference):
-    """results.md: headline table (each policy vs the first and vs the references) + every pair."""
+    """results.md: headline table (each method vs the first and vs the references) + every pair.
+    With several runs in some method, each CI column is followed by the two-level one, and a
+    table of the runs comes last."""
     s = results["settings"]
     anchor = names[0]
     by_pair = {(r["policy_a"], r["policy_b"]): r for r in results["pairwise"]}
+    multi = any(len(p["runs"]) > 1 for p in results["policies"].values())
+
+    def two(value, lo, hi, seed_lo, seed_hi, digits=2, star=False):
+        """[prompt-only CI cell] (+ [two-level CI cell] with several runs per method)."""
+        stars = [" *" if star and (lo > 0.5 or hi < 0.5) else "", " *" if star and (seed_lo > 0.5 or seed_hi < 0.5) else ""]
+        cells = [fmt_ci(value, lo, hi, digits) + stars[0]]
+        return cells + ([f"({seed_lo:.{digits}f}, {seed_hi:.{digits}f})" + stars[1]] if multi else [])
 
     def cell(a, b):
         r = by_pair.get((a, b))
-        return "" if r is None else fmt_ci(r["win_rate"], r["ci_low"], r["ci_high"]) + (" *" if r["significant"] else "")
+        if r is None:
+            return [""] * (1 + multi)
+        return two(r["win_rate"], r["ci_low"], r["ci_high"], r["seed_ci_low"], r["seed_ci_high"], star=True)
+
+    def heading(title):
+        return [f"{title} (95% CI)"] + ([f"{title}: seeds + prompts CI"] if multi else [])
 
     score_name = {"gold": "gold score" if s["reward_fn"] == "gold" else "reward", "rm": "reward", "llm": None}[s["judge"].split(":")[0]]
-    head = ["policy", "Elo (95% CI)", f"win rate vs {anchor} (95% CI)"]
-    head += ["win rate vs reference (95% CI)"] if has_reference else []
-    head += [f"{score_name} (95% CI)"] if score_name else []
+    head = ["policy"] + (["runs"] if multi else []) + heading("Elo") + heading(f"win rate vs {anchor}")
+    head += heading("win rate vs reference") if has_reference else []
+    head += heading(score_name) if score_name else []
     head += ["mean words"]
     counts = "gold_counts" in results["policies"][anchor]  # the embedded gold judge: its terms per summary
     head += ["facts missed", "unsupported clauses"] if counts else []
     rows = []
     for name in names:
         e, p = results["elo"][name], results["policies"][name]
-        row = [name, fmt_ci(e["elo"], e["ci_low"], e["ci_high"], 0), cell(name, anchor) if name != anchor else "-"]
-        row += [cell(name, REFERENCE)] if has_reference else []
-        row += [fmt_ci(p["score"], p["score_ci_low"], p["score_ci_high"], 3)] if score_name else []
+        row = [name] + ([str(len(p["runs"]))] if multi else [])
+        row += two(e["elo"], e["ci_low"], e["ci_high"], e["seed_ci_low"], e["seed_ci_high"], 0)
+        row += cell(name, anchor) if name != anchor else ["-"] * (1 + multi)
+        row += cell(name, REFERENCE) if has_reference else []
+        row += two(p["score"], p["score_ci_low"], p["score_ci_high"], p["score_seed_ci_low"], p["score_seed_ci_high"], 3) if score_name else []
         rows.append(row + [f"{p['mean_length']:.1f}"] + _counts(p, counts))
     if has_reference:
         ref = results["reference"]
-        row = [REFERENCE, "-", "-", "-"] + ([fmt_ci(ref["score"], ref["score_ci_low"], ref["score_ci_high"], 3)] if score_name else [])
+        row = [REFERENCE] + (["-"] if multi else []) + ["-"] * 3 * (1 + multi)
+        row += two(ref["score"], ref["score_ci_low"], ref["score_ci_high"], ref["score_seed_ci_low"], ref["score_seed_ci_high"], 3) if score_name else []
         rows.append(row + [f"{ref['mean_length']:.1f}"] + _counts(ref, counts))
+    ci_text = (f"95% CIs from {s['num_bootstrap']} paired bootstrap resamples of the prompts (seed {s['seed']})"
+               if not multi else
+               f"95% CIs from {s['num_bootstrap']} bootstrap resamples (seed {s['seed']}): the first resamples the prompts "
+               "only (paired, the runs fixed: how sure we are about *these* runs), the second each method's runs, then the "
+               "prompts (two-level: how sure we are about the *method*, over training seeds)")
     lines = [f"# eval: judge {s['judge']}" + (f" ({s['reward_fn']})" if s["judge"] == "gold" else ""), "",
              f"{s['num_prompts']} prompts from {s['dataset']}, {'sampled' if s['do_sample'] else 'greedy'}, "
-             f"{s['max_completion_length']} new tokens at most; 95% CIs from {s['num_bootstrap']} paired bootstrap "
-             f"resamples of the prompts (seed {s['seed']}). Win rate: a's wins over b, ties count half; "
-             f"* = the CI excludes 0.5. Elo: Bradley-Terry, 400 log10 odds, {anchor} = 1000.", "",
+             f"{s['max_completion_length']} new tokens at most; {ci_text}. Win rate: a's wins over b, ties count half"
+             + (f" (LLM judge: a tie when P(a better) is within {s['tie_margin']} of 0.5)" if s["judge"].startswith("llm") else "")
+             + (", averaged over every pair of runs" if multi else "")
+             + f"; * = the CI excludes 0.5. Elo: Bradley-Terry, 400 log10 odds, {anchor} = 1000.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", "All pairs:", "", "| policy a | policy b | wins | ties | losses | win rate of a (95% CI) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "All pairs:", "", "| policy a | policy b | wins | ties | losses | " + " | ".join(heading("win rate of a")) + " |",
+              "|---|---|---|---|---|" + "---|" * (1 + multi)]
     lines += [f"| {r['policy_a']} | {r['policy_b']} | {r['wins']} | {r['ties']} | {r['losses']} | "
-              f"{cell(r['policy_a'], r['policy_b'])} |" for r in results["pairwise"]]
+              + " | ".join(cell(r["policy_a"], r["policy_b"])) + " |" for r in results["pairwise"]]
+    if multi:
+        lines += ["", "Runs:", "", "| run | method | path | " + (f"{score_name} | " if score_name else "") + "mean words |",
+                  "|---|---|---|" + ("---|" if score_name else "") + "---|"]
+        lines += [f"| {run} | {r['method']} | {r['path']} | " + (f"{r['score']:.3f} | " if score_name else "")
+                  + f"{r['mean_length']:.1f} |" for run, r in results["runs"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -401,12 +554,14 @@ def main():
         common.fail("eval.py takes the policies as arguments: python eval.py runs/sft runs/dpo [--flags].")
     if not args.policies:
         common.fail("no policies to compare: python eval.py runs/sft runs/ppo runs/dpo runs/grpo [--flags].")
-    if args.num_bootstrap < 1 or args.num_prompts < 0:
-        common.fail("--num_bootstrap must be at least 1 and --num_prompts at least 0.")
+    if args.num_bootstrap < 1 or args.num_prompts < 0 or not 0 <= args.tie_margin < 0.5:
+        common.fail("--num_bootstrap must be at least 1, --num_prompts at least 0 and --tie_margin in [0, 0.5).")
     kind, judge_arg = parse_judge(args.judge)
+    methods = parse_methods(args.policies)
     if kind == "gold" and args.reward_fn != "gold":
         common.load_reward_fn(args.reward_fn)  # fail now, not after generating
-    for path in args.policies + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
+    paths = [p for _, run_paths in methods for p in run_paths]
+    for path in paths + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
         common.check_model_source(path)
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
             common.fail(f"{path} holds no model (no config.json): run the script that writes it first "
@@ -433,77 +588,106 @@ def main():
     if kind == "gold" and args.reward_fn == "gold" and "post" not in columns:
         common.fail(f"--judge gold with the embedded gold judge needs a 'post' column, which {common.dataset_name(args.dataset)} "
                     "lacks; pass --reward_fn file.py:fn, --judge rm:PATH or --judge llm:MODEL.")
-    if len(args.policies) < 2 and not has_reference:
+    if len(methods) < 2 and not has_reference:
         common.fail("nothing to compare: pass two or more policies, or a dataset with a --reference_column.")
     n = len(raw_prompts)
-    print(f"eval: {len(args.policies)} policies on {n} prompts of {common.dataset_name(args.dataset)} ({split}), judge {args.judge}")
+    num_runs = sum(len(paths) for _, paths in methods)
+    print(f"eval: {len(methods)} methods ({num_runs} runs) on {n} prompts of {common.dataset_name(args.dataset)} ({split}), "
+          f"judge {args.judge}")
 
-    # ---- generate: the same prompts, settings and seed for every policy
-    names = policy_names(args.policies)
+    # ---- generate: the same prompts, settings and seed for every run of every method
+    names = [name for name, _ in methods]
+    runs = dict(zip(names, run_names(methods)))  # method -> its runs' names
     responses, truncated = {}, {}
-    for path, name in zip(args.policies, names):
-        responses[name], truncated[name] = generate_responses(path, name, raw_prompts, args)
+    for (name, paths) in methods:
+        for path, run in zip(paths, runs[name]):
+            responses[run], truncated[run] = generate_responses(path, run, raw_prompts, args)
     if has_reference:
         # written as sampling.decode_completions writes the policies' responses: " " + stripped text
         responses[REFERENCE] = [" " + (r if isinstance(r, str) else r[-1]["content"]).strip() for r in ds[args.reference_column]]
+        runs[REFERENCE] = [REFERENCE]
 
-    # ---- pairs: every pair of policies (the later one as a), then each policy vs the references
+    # ---- pairs: every pair of methods (the later one as a), then each method vs the references;
+    # within a pair of methods, every run of a meets every run of b on every prompt
     pairs = [(names[j], names[i]) for i in range(len(names)) for j in range(i + 1, len(names))]
     pairs += [(name, REFERENCE) for name in names] if has_reference else []
+    run_pairs = [(ra, rb) for a, b in pairs for ra in runs[a] for rb in runs[b]]
 
-    # ---- judge: per-prompt outcome of a against b (1 win, 0.5 tie, 0 loss)
+    # ---- judge: per-prompt outcome of run a against run b (1 win, 0.5 tie, 0 loss)
     scores, outcomes, extra = None, {}, {}
     if kind in ("gold", "rm"):
         scores = judge_scores(kind, judge_arg, responses, raw_prompts, columns, args)
-        for a, b in pairs:
+        for a, b in run_pairs:
             outcomes[a, b] = outcomes_from_scores(scores[a], scores[b])
             extra[a, b] = [{"score_a": float(x), "score_b": float(y)} for x, y in zip(scores[a], scores[b])]
     else:
         tokenizer = common.load_tokenizer(judge_arg, args.trust_remote_code)
         model = common.freeze(common.load_model(judge_arg, args))
-        for a, b in pairs:
+        for a, b in run_pairs:
             prob = np.full(n, 0.5)
             todo = [i for i in range(n) if responses[a][i] != responses[b][i]]  # identical: a tie, no call
             if todo:
                 prob[todo] = llm_judge(model, tokenizer, [raw_prompts[i] for i in todo], [responses[a][i] for i in todo],
                                        [responses[b][i] for i in todo], args.eval_batch_size)
-            outcomes[a, b] = outcomes_from_scores(prob, 0.5)
+            outcomes[a, b] = outcomes_from_probs(prob, args.tie_margin)  # no preference within the margin: a tie
             extra[a, b] = [{"prob_a": float(p)} for p in prob]
         del model
-    for a, b in pairs:  # identical responses tie, whatever the judge
+    for a, b in run_pairs:  # identical responses tie, whatever the judge
         same = np.array([x == y for x, y in zip(responses[a], responses[b])])
         outcomes[a, b] = np.where(same, 0.5, outcomes[a, b])
+    # a method pair's outcomes: (R_a, R_b, n)
+    method_outcomes = {(a, b): np.array([[outcomes[ra, rb] for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
 
-    # ---- statistics: one set of bootstrap resamples of the prompts for every number
-    idx = bootstrap_indices(n, args.num_bootstrap, args.seed)  # (B, n)
-    pairwise = [{"policy_a": a, "policy_b": b, **win_rate_stats(outcomes[a, b], idx)} for a, b in pairs]
+    # ---- statistics: one set of resamples for every number; prompts paired across all runs
+    order = names + ([REFERENCE] if has_reference else [])
+    prompt_counts, run_counts, all_runs = bootstrap_plan(n, [len(runs[m]) for m in order], args.num_bootstrap, args.seed)
+    level = {m: (run_counts[i], all_runs[i]) for i, m in enumerate(order)}  # method -> (two-level, prompt-only) run counts
+    pairwise = [{"policy_a": a, "policy_b": b, **win_rate_stats(method_outcomes[a, b], prompt_counts,
+                                                                [level[a][0], level[b][0]], [level[a][1], level[b][1]])}
+                for a, b in pairs]
     k = len(names)
     if k > 1:
-        policy_outcomes = {(names.index(a), names.index(b)): outcomes[a, b] for a, b in pairs if b != REFERENCE}
-        elo = bradley_terry_elo(win_matrix(policy_outcomes, k))  # (k,)
-        boot_elo = bradley_terry_elo(win_matrix({p: o[idx] for p, o in policy_outcomes.items()}, k))  # (B, k)
-        elo_lo, elo_hi = percentile_ci(boot_elo)
+        # Bradley-Terry on the methods' win matrix: n games per pair, each the mean over run pairs
+        method_pairs = [(a, b) for a, b in pairs if b != REFERENCE]
+        point = {(names.index(a), names.index(b)): method_outcomes[a, b].sum(-1).mean() for a, b in method_pairs}
+        elo = bradley_terry_elo(win_matrix(point, n, k))  # (k,)
+        boot_elo = []
+        for which in (1, 0):  # prompt-only, then two-level
+            totals = {(names.index(a), names.index(b)): resampled_totals(method_outcomes[a, b], prompt_counts,
+                                                                           [level[a][which], level[b][which]])
+                      for a, b in method_pairs}
+            boot_elo.append(bradley_terry_elo(win_matrix(totals, n, k)))  # (B, k)
+        (elo_lo, elo_hi), (elo_seed_lo, elo_seed_hi) = percentile_ci(boot_elo[0]), percentile_ci(boot_elo[1])
     else:
-        elo, elo_lo, elo_hi = np.full(1, 1000.0), np.full(1, 1000.0), np.full(1, 1000.0)
+        elo = elo_lo = elo_hi = elo_seed_lo = elo_seed_hi = np.full(1, 1000.0)
 
     def describe(name):
+        """A method's numbers, averaged over its runs."""
         row = {}
         if scores is not None:
-            row["score"], row["score_ci_low"], row["score_ci_high"] = mean_ci(scores[name], idx)
-        row["mean_length"] = float(np.mean([len(t.split()) for t in responses[name]]))  # words
+            values = np.array([scores[r] for r in runs[name]])  # (R, n)
+            (row["score"], row["score_ci_low"], row["score_ci_high"], row["score_seed_ci_low"],
+             row["score_seed_ci_high"]) = mean_cis(values, prompt_counts, [level[name][0]], [level[name][1]])
+        row["mean_length"] = float(np.mean([len(t.split()) for r in runs[name] for t in responses[r]]))  # words
         if kind == "gold" and args.reward_fn == "gold":  # the embedded judge's terms: what went wrong, per summary
-            counts = [world.gold_counts(post, t) for post, t in zip(columns["post"], responses[name])]
+            counts = [world.gold_counts(post, responses[r][i]) for r in runs[name] for i, post in enumerate(columns["post"])]
             row["gold_counts"] = {k: float(np.mean([c[k] for c in counts])) for k in ("missed", "unsupported", "repeated", "excess")}
         return row
 
     results = {
         "settings": {"judge": args.judge, "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
-                     "num_prompts": n, "num_bootstrap": args.num_bootstrap, **generation_settings(args)},
+                     "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
+                     **generation_settings(args)},
         "pairwise": pairwise,
-        "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i])}
+        "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i]),
+                       "seed_ci_low": float(elo_seed_lo[i]), "seed_ci_high": float(elo_seed_hi[i])}
                 for i, name in enumerate(names)},
-        "policies": {name: {"path": path, **describe(name), "truncated_frac": float(np.mean(truncated[name]))}
-                     for path, name in zip(args.policies, names)},
+        "policies": {name: {"paths": paths, "runs": runs[name], **describe(name),
+                            "truncated_frac": float(np.mean([truncated[r] for r in runs[name]]))}
+                     for name, paths in methods},
+        "runs": {run: {"method": name, "path": path, "mean_length": float(np.mean([len(t.split()) for t in responses[run]])),
+                       **({"score": float(np.mean(scores[run]))} if scores is not None else {})}
+                 for name, paths in methods for run, path in zip(runs[name], paths)},
     }
     if has_reference:
         results["reference"] = describe(REFERENCE)
@@ -515,20 +699,24 @@ def main():
     report = markdown_report(results, names, has_reference)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(report)
+    method_of = {run: m for m in runs for run in runs[m]}
     with open(os.path.join(out, "judgments.jsonl"), "w") as f:
-        for a, b in pairs:
+        for a, b in run_pairs:
             for i in range(n):
                 winner = {1.0: "a", 0.5: "tie", 0.0: "b"}[float(outcomes[a, b][i])]
-                f.write(json.dumps({"prompt_id": i, "policy_a": a, "policy_b": b, "winner": winner, **extra[a, b][i]}) + "\n")
+                f.write(json.dumps({"prompt_id": i, "policy_a": a, "policy_b": b, "method_a": method_of[a],
+                                    "method_b": method_of[b], "winner": winner, **extra[a, b][i]}) + "\n")
     with open(os.path.join(out, "generations.jsonl"), "w") as f:
         for i in range(n):
             f.write(json.dumps({"prompt_id": i, "prompt": raw_prompts[i], "responses": {k_: v[i] for k_, v in responses.items()}}) + "\n")
+    # the plots show the two-level CIs (the prompt-only ones when every method has one run: they are equal)
+    ci = "seeds + prompts" if num_runs > len(methods) else "prompts"
     plot_intervals(os.path.join(out, "win_rates.png"), [f"{r['policy_a']} vs {r['policy_b']}" for r in pairwise],
-                   [r["win_rate"] for r in pairwise], [r["ci_low"] for r in pairwise], [r["ci_high"] for r in pairwise],
-                   "win rate of the first over the second (95% CI)", 0.5, f"Pairwise win rates, judge {args.judge}",
+                   [r["win_rate"] for r in pairwise], [r["seed_ci_low"] for r in pairwise], [r["seed_ci_high"] for r in pairwise],
+                   f"win rate of the first over the second (95% CI, {ci})", 0.5, f"Pairwise win rates, judge {args.judge}",
                    xlim=(-0.03, 1.03))
-    plot_intervals(os.path.join(out, "elo.png"), names, elo, elo_lo, elo_hi,
-                   f"Bradley-Terry Elo (95% CI), {names[0]} = 1000", 1000, f"Elo, judge {args.judge}")
+    plot_intervals(os.path.join(out, "elo.png"), names, elo, elo_seed_lo, elo_seed_hi,
+                   f"Bradley-Terry Elo (95% CI, {ci}), {names[0]} = 1000", 1000, f"Elo, judge {args.judge}")
     print(f"eval: saved results.json, results.md, judgments.jsonl, generations.jsonl, win_rates.png, elo.png to {out}\n")
     print(report)
 

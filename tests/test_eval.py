@@ -1,5 +1,7 @@
-"""eval.py: bootstrap coverage, Bradley-Terry recovery, the LLM judge's position swap, and an
-end-to-end run on two tiny policies (gold judge, then an LLM judge reusing the cached generations)."""
+"""eval.py: bootstrap coverage (prompt-only, and two-level over training seeds against a direct
+simulation), one run per method == the prompt bootstrap, Bradley-Terry recovery, the LLM judge's
+position swap and ties, methods on the command line, and end-to-end runs on tiny policies (gold
+judge, an LLM judge reusing the cached generations, and two methods of two runs each)."""
 
 import json
 import os
@@ -16,8 +18,12 @@ import world
 # ---------------------------------------------------------------- statistics
 def test_outcomes_ties_count_half():
     assert ev.outcomes_from_scores([1.0, 0.2, 0.3], [0.5, 0.2, 0.9]).tolist() == [1.0, 0.5, 0.0]
-    wins = ev.win_matrix({(0, 1): np.array([1.0, 0.5, 0.0, 1.0])}, 2)
+    wins = ev.win_matrix({(0, 1): np.array([1.0, 0.5, 0.0, 1.0]).sum()}, 4, 2)
     assert wins.tolist() == [[0.0, 2.5], [1.5, 0.0]]
+
+
+def prompt_counts(n, num_bootstrap, seed):
+    return ev.resample_counts(ev.bootstrap_indices(n, num_bootstrap, seed), n)
 
 
 def test_paired_bootstrap_ci_covers_true_win_rate():
@@ -28,7 +34,7 @@ def test_paired_bootstrap_ci_covers_true_win_rate():
     covered, significant = 0, 0
     for draw in range(200):
         outcomes = rng.choice([1.0, 0.5, 0.0], size=200, p=[p_win, p_tie, 1 - p_win - p_tie])
-        stats = ev.win_rate_stats(outcomes, ev.bootstrap_indices(200, 500, seed=draw))
+        stats = ev.win_rate_stats(outcomes, prompt_counts(200, 500, seed=draw))
         assert stats["ci_low"] <= stats["win_rate"] <= stats["ci_high"]
         assert stats["wins"] + stats["ties"] + stats["losses"] == stats["n"] == 200
         covered += stats["ci_low"] <= true_rate <= stats["ci_high"]
@@ -40,13 +46,114 @@ def test_paired_bootstrap_ci_covers_true_win_rate():
 def test_bootstrap_is_paired_and_deterministic():
     """The same indices resample both policies: a policy against itself has a zero-width CI,
     and the same seed gives the same numbers."""
-    idx = ev.bootstrap_indices(50, 300, seed=3)
-    assert np.array_equal(idx, ev.bootstrap_indices(50, 300, seed=3))
+    idx = prompt_counts(50, 300, seed=3)
+    assert np.array_equal(idx, prompt_counts(50, 300, seed=3))
     scores = np.random.default_rng(1).normal(size=50)
     same = ev.win_rate_stats(ev.outcomes_from_scores(scores, scores), idx)
     assert same["ci_low"] == same["ci_high"] == same["win_rate"] == 0.5 and not same["significant"]
     a, b = scores, scores + 0.1  # b is better on every prompt, though the scores vary a lot
     assert ev.win_rate_stats(ev.outcomes_from_scores(a, b), idx)["ci_high"] == 0.0
+
+
+def test_one_run_per_method_equals_the_prompt_bootstrap():
+    """With one run per method, both CIs equal the prompt-only paired bootstrap written directly
+    (resampled prompt indices, means over them, Bradley-Terry on the resampled win counts)."""
+    n, B = 60, 300
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(3, n)).round(1)  # rounded: some ties
+    idx = ev.bootstrap_indices(n, B, seed=7)  # (B, n)
+    counts, run_counts, all_runs = ev.bootstrap_plan(n, [1, 1, 1], B, seed=7)
+    assert np.array_equal(run_counts, all_runs)  # one run: resampling the runs changes nothing
+
+    # score of one method: mean and percentile CI of the resampled means
+    direct = ev.percentile_ci(scores[0][idx].mean(1))
+    mean, lo, hi, seed_lo, seed_hi = ev.mean_cis(scores[:1], counts, run_counts[:1], all_runs[:1])
+    assert mean == scores[0].mean()
+    np.testing.assert_allclose([lo, hi], direct, rtol=1e-12)
+    assert (lo, hi) == (seed_lo, seed_hi)
+
+    # win rate of 1 over 0: ties and counts are half-integers, so the sums are exact: equal to the bit
+    outcomes = ev.outcomes_from_scores(scores[1], scores[0])
+    stats = ev.win_rate_stats(outcomes[None, None], counts, run_counts[:2], all_runs[:2])
+    assert stats["win_rate"] == outcomes.mean()
+    assert (stats["ci_low"], stats["ci_high"]) == ev.percentile_ci(outcomes[idx].mean(1))
+    assert (stats["ci_low"], stats["ci_high"]) == (stats["seed_ci_low"], stats["seed_ci_high"])
+    assert stats == ev.win_rate_stats(outcomes, counts)  # (n,) outcomes: one run each
+
+    # Elo: bootstrap win matrices from resampled totals == from the resampled per-prompt outcomes
+    pairs = {(1, 0): ev.outcomes_from_scores(scores[1], scores[0]), (2, 0): ev.outcomes_from_scores(scores[2], scores[0]),
+             (2, 1): ev.outcomes_from_scores(scores[2], scores[1])}
+    direct = np.zeros((B, 3, 3))
+    for (i, j), o in pairs.items():
+        direct[:, i, j] += o[idx].sum(1)
+        direct[:, j, i] += (1 - o[idx]).sum(1)
+    totals = {(i, j): ev.resampled_totals(o[None, None], counts, [run_counts[i], run_counts[j]]) for (i, j), o in pairs.items()}
+    assert np.array_equal(ev.win_matrix(totals, n, 3), direct)
+
+
+def simulate_methods(rng, num_runs, n, delta, seed_sd, noise_sd=1.0):
+    """Gold-like scores of two methods' runs: s = delta_m + u_run + v_prompt + e, with a seed
+    effect u ~ N(0, seed_sd^2) per run, a prompt difficulty v shared by every run (paired) and
+    noise e: (R, n) each."""
+    prompt = rng.normal(size=n)
+    a = delta + seed_sd * rng.normal(size=(num_runs, 1)) + prompt + noise_sd * rng.normal(size=(num_runs, n))
+    b = seed_sd * rng.normal(size=(num_runs, 1)) + prompt + noise_sd * rng.normal(size=(num_runs, n))
+    return a, b
+
+
+def test_two_level_bootstrap_coverage():
+    """A direct simulation with a known seed effect: the two-level 95% CI covers the true method
+    difference ~95% of the time, the prompt-only CI (which treats the runs as fixed) far less.
+
+    Truth: a's score minus b's on a new prompt with new seeds is N(delta, 2 seed_sd^2 + 2 noise_sd^2),
+    so the method win rate is Phi(delta / sqrt(2 seed_sd^2 + 2)) and a's mean score is delta.
+    Measured (200 repetitions, 100 prompts, seed_sd 0.3): 10 runs per method: two-level 0.94,
+    prompt-only 0.46 (win rate); 5 runs: 0.93; 3 runs: 0.89 (a bootstrap of 3 runs is too narrow)."""
+    from scipy.stats import norm
+
+    num_runs, n, delta, seed_sd, reps = 10, 100, 0.3, 0.3, 200
+    true_win_rate = norm.cdf(delta / np.sqrt(2 * seed_sd**2 + 2))
+    rng = np.random.default_rng(0)
+    covered = {"win": [0, 0], "score": [0, 0]}  # [prompt-only, two-level]
+    for rep in range(reps):
+        a, b = simulate_methods(rng, num_runs, n, delta, seed_sd)
+        counts, run_counts, all_runs = ev.bootstrap_plan(n, [num_runs, num_runs], 400, seed=rep)
+        outcomes = ev.outcomes_from_scores(a[:, None, :], b[None, :, :])  # (R_a, R_b, n): every run pair
+        stats = ev.win_rate_stats(outcomes, counts, run_counts, all_runs)
+        covered["win"][0] += stats["ci_low"] <= true_win_rate <= stats["ci_high"]
+        covered["win"][1] += stats["seed_ci_low"] <= true_win_rate <= stats["seed_ci_high"]
+        _, lo, hi, seed_lo, seed_hi = ev.mean_cis(a, counts, run_counts[:1], all_runs[:1])
+        covered["score"][0] += lo <= delta <= hi
+        covered["score"][1] += seed_lo <= delta <= seed_hi
+    win, score = np.array(covered["win"]) / reps, np.array(covered["score"]) / reps
+    assert 0.90 <= win[1] <= 0.99 and 0.90 <= score[1] <= 0.99, (win, score)
+    assert win[0] < 0.7 and score[0] < 0.9, (win, score)  # seed variance ignored: visibly too narrow
+
+
+def test_two_level_bootstrap_without_seed_effect_stays_close_to_prompt_only():
+    """No seed effect, runs nearly identical: the two-level CI is not much wider than the
+    prompt-only one (the second level adds only what the runs disagree on)."""
+    rng = np.random.default_rng(1)
+    a, _ = simulate_methods(rng, 4, 200, 0.3, seed_sd=0.0, noise_sd=0.01)
+    counts, run_counts, all_runs = ev.bootstrap_plan(200, [4, 4], 500, seed=0)
+    _, lo, hi, seed_lo, seed_hi = ev.mean_cis(a, counts, run_counts[:1], all_runs[:1])
+    assert seed_hi - seed_lo < 1.05 * (hi - lo)
+
+
+def test_methods_from_the_command_line(tmp_path, monkeypatch):
+    for run in ["a/seed0", "a/seed1", "a/seed10", "b/seed0", "sft"]:
+        (tmp_path / run).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    methods = ev.parse_methods(["sft", "a=a/seed*", "mine=b/seed0,sft"])
+    assert methods == [("sft", ["sft"]), ("a", ["a/seed0", "a/seed1", "a/seed10"]), ("mine", ["b/seed0", "sft"])]
+    assert ev.run_names(methods) == [["sft"], ["a/seed0", "a/seed1", "a/seed10"], ["mine/seed0", "mine/sft"]]
+    assert ev.parse_methods(["runs/x/sft", "runs/y/sft"]) == [("x/sft", ["runs/x/sft"]), ("y/sft", ["runs/y/sft"])]
+    with pytest.raises(SystemExit, match="matches no folder"):
+        ev.parse_methods(["a=c/seed*"])
+    with pytest.raises(SystemExit, match="two methods are named"):
+        ev.parse_methods(["a=a/seed0", "a=b/seed0"])
+    with pytest.raises(SystemExit, match="name"):
+        ev.parse_methods(["=a/seed0"])
 
 
 def simulate_games(true_elo, games_per_pair, rng, p_tie=0.1):
@@ -63,7 +170,7 @@ def simulate_games(true_elo, games_per_pair, rng, p_tie=0.1):
 def test_bradley_terry_recovers_known_strengths():
     true_elo = np.array([1000.0, 1150.0, 900.0, 1300.0])
     outcomes = simulate_games(true_elo, 3000, np.random.default_rng(0))
-    wins = ev.win_matrix(outcomes, 4)
+    wins = ev.win_matrix({p: o.sum() for p, o in outcomes.items()}, 3000, 4)
     elo = ev.bradley_terry_elo(wins)
     assert elo[0] == 1000.0  # the anchor
     assert np.abs(elo - true_elo).max() < 30, elo
@@ -75,7 +182,7 @@ def test_bradley_terry_recovers_known_strengths():
     np.testing.assert_allclose(expected, wins.sum(1), rtol=1e-7)
 
     # batched fits (the bootstrap) equal one-by-one fits; an undefeated player stays finite
-    other = ev.win_matrix({(0, 1): np.ones(20), (0, 2): np.ones(20), (1, 2): np.full(20, 0.5)}, 3)
+    other = ev.win_matrix({(0, 1): 20.0, (0, 2): 20.0, (1, 2): 10.0}, 20, 3)
     both = ev.bradley_terry_elo(np.stack([wins[:3, :3], other]))
     np.testing.assert_allclose(both[0], ev.bradley_terry_elo(wins[:3, :3]), atol=1e-6)
     np.testing.assert_allclose(both[1], ev.bradley_terry_elo(other), atol=1e-6)
@@ -123,13 +230,38 @@ def test_llm_judge_position_swap_cancels_bias():
         ev.prob_first_better(model, plain, prompts, a, b)
 
 
+def test_random_llm_judge_gives_ties_not_wins():
+    """A randomly initialised judge has no preference: after the position swap P(a better) is
+    0.5 +- 1e-4. Read as 'a wins when P > 0.5' (tie_margin 0, the old rule) every comparison is
+    a decision, and a judge whose noise leans one way (P = 0.50004 on every prompt) gives 40-0,
+    "significant"; with the default margin every comparison is a tie and the CI covers 0.5."""
+    model, tok = biased_judge(bias=0.0)
+    test = world.build_world()["test"].select(range(40))
+    a = [" " + post.split(" . ")[0] + " ." for post in test["post"]]  # the post's first fact
+    b = [" " + " . ".join(post.split(" . ")[:2]) + " ." for post in test["post"]]  # its first two
+    prob = ev.llm_judge(model, tok, test["prompt"], a, b)
+    assert np.abs(prob - 0.5).max() < 0.01  # no preference
+    counts = prompt_counts(40, 500, seed=0)
+    assert ev.win_rate_stats(ev.outcomes_from_probs(prob, tie_margin=0.0), counts)["ties"] == 0  # the old rule
+    stats = ev.win_rate_stats(ev.outcomes_from_probs(prob, ev.Args.tie_margin), counts)
+    assert stats["ci_low"] <= 0.5 <= stats["ci_high"] and not stats["significant"] and stats["ties"] == 40
+
+    leaning = np.full(40, 0.50004)  # the issue's judge: no preference, noise of one sign
+    old = ev.win_rate_stats(ev.outcomes_from_probs(leaning, tie_margin=0.0), counts)
+    assert old["wins"] == 40 and old["ci_low"] == 1.0 and old["significant"]  # the bug: 40-0, "significant"
+    stats = ev.win_rate_stats(ev.outcomes_from_probs(leaning, ev.Args.tie_margin), counts)
+    assert stats["win_rate"] == 0.5 and not stats["significant"]
+    # a judge with a preference still decides: 0.56 is a win, 0.44 a loss, 0.53 a tie at the default 0.05
+    assert ev.outcomes_from_probs([0.56, 0.44, 0.53, 0.5], 0.05).tolist() == [1.0, 0.0, 0.5, 0.5]
+
+
 # ---------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
-    """Two tiny policies (different random weights) and a tiny LLM judge that can say A or B."""
+    """Four tiny policies (different random weights) and a tiny LLM judge that can say A or B."""
     root = tmp_path_factory.mktemp("eval")
     tok = world.build_tokenizer()
-    for seed in (0, 1):
+    for seed in (0, 1, 2, 3):
         world.build_model(tok, hidden_size=64, num_layers=1 + seed, seed=seed).save_pretrained(root / f"pi{seed}")
         tok.save_pretrained(root / f"pi{seed}")
     judge_tok = world.build_tokenizer()
@@ -194,8 +326,35 @@ def test_end_to_end(tiny_folders):
                       "--judge", f"llm:{root / 'judge'}", *common_flags)
     assert proc.stdout.count("responses from the cache") == 2 and "generated" not in proc.stdout
     judgments = read_jsonl(out_llm / "judgments.jsonl")
-    assert all(0 <= j["prob_a"] <= 1 and (j["winner"] == "tie") == (j["prob_a"] == 0.5) for j in judgments)
+    assert all(0 <= j["prob_a"] <= 1 and (j["winner"] == "tie") == (abs(j["prob_a"] - 0.5) <= 0.05) for j in judgments)
     llm_results = json.loads((out_llm / "results.json").read_text())
     assert "score" not in llm_results["policies"]["pi0"] and "gold_counts" not in llm_results["policies"]["pi0"]
     gens = [json.loads(line) for line in open(out_llm / "generations.jsonl")]
     assert gens == read_jsonl(out / "generations.jsonl")
+
+
+def test_end_to_end_methods_of_several_runs(tiny_folders):
+    """Two methods of two runs each (glob and comma list): the win rate averages over the four run
+    pairs, both CIs are reported, and the two-level one is at least as wide here."""
+    root = tiny_folders
+    out = root / "methods"
+    proc = run_script("eval.py", f"a={root}/pi[01]", f"b={root / 'pi2'},{root / 'pi3'}", "--output_dir", str(out),
+                      "--num_prompts", "24", "--num_bootstrap", "200", "--max_completion_length", "12",
+                      "--eval_batch_size", "8", "--do_sample", "--cache_dir", str(root / "cache"))
+    assert "2 methods (4 runs)" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["policies"]["a"]["runs"] == ["a/pi0", "a/pi1"] and results["policies"]["b"]["runs"] == ["b/pi2", "b/pi3"]
+    (pair,) = [r for r in results["pairwise"] if (r["policy_a"], r["policy_b"]) == ("b", "a")]
+    assert (pair["runs_a"], pair["runs_b"], pair["n"]) == (2, 2, 24) and pair["wins"] + pair["ties"] + pair["losses"] == 96
+    judgments = [j for j in read_jsonl(out / "judgments.jsonl") if (j["method_a"], j["method_b"]) == ("b", "a")]
+    assert len(judgments) == 96 and {j["policy_a"] for j in judgments} == {"b/pi2", "b/pi3"}
+    rate = np.mean([{"a": 1.0, "tie": 0.5, "b": 0.0}[j["winner"]] for j in judgments])
+    assert pair["win_rate"] == pytest.approx(rate, abs=1e-12)
+    for r in results["pairwise"] + list(results["elo"].values()):
+        assert r["seed_ci_low"] <= r.get("win_rate", r.get("elo")) <= r["seed_ci_high"]
+    score_a = np.mean([results["runs"][r]["score"] for r in ["a/pi0", "a/pi1"]])
+    assert results["policies"]["a"]["score"] == pytest.approx(score_a)
+    p = results["policies"]["a"]
+    assert p["score_seed_ci_high"] - p["score_seed_ci_low"] >= 0.9 * (p["score_ci_high"] - p["score_ci_low"])
+    report = (out / "results.md").read_text()
+    assert "seeds + prompts CI" in report and "| a/pi1 | a |" in report

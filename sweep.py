@@ -1,0 +1,102 @@
+"""sweep.py: train one recipe over seeds and settings, one run folder per combination, then print
+the eval.py command that compares the settings as methods (runs of one setting = its seeds).
+
+    python sweep.py SCRIPT [--seeds 0,1,2] [--FLAG v1,v2,...]... [--zip] [--output_dir DIR] [-- FIXED...]
+
+- every `--FLAG v1,v2` before `--` is an axis of the sweep (a single value is a constant);
+  without --zip every combination of the axes is run, with --zip the i-th values of all axes go
+  together (equal-length lists), e.g. an equal budget of completions per GRPO step;
+- everything after `--` is passed to every run unchanged (commas and all: --reward_weights 0,1);
+- run folders are DIR/<setting>/seed<S> (<setting> = the axes' flags and values, e.g.
+  num_generations4-batch_size16; the script's name when there are no axes), and each run gets
+  `--seed S --output_dir <folder>`;
+- resumable: a folder with summary.json (which every script writes last) is a finished run and
+  is skipped, so re-running the same command after a crash or Ctrl-C trains only what is missing.
+  An unfinished run starts again from step 0.
+
+Runs are sequential, in this process's environment (set OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES
+as for one run). Any script that takes --seed and --output_dir and writes summary.json works:
+sft.py, reward.py, ppo.py, dpo.py, grpo.py, or your fork of one.
+
+Run:
+    python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16                       # 9 runs
+    python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16 --batch_size 16,8,4 --zip \\
+        --output_dir runs/group_size -- --model runs/sft --max_steps 80                   # STUDIES.md
+    python sweep.py my_grpo.py --seeds 0,1,2 -- --model runs/sft                         # a fork
+"""
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+
+
+def fail(message):
+    sys.exit(f"sweep: error: {message}")
+
+
+def parse(argv):
+    """argv -> (script, seeds, axes [(flag, [values])], zip, output_dir, fixed arguments)."""
+    if not argv or argv[0].startswith("-"):
+        fail("usage: python sweep.py SCRIPT [--seeds 0,1,2] [--FLAG v1,v2]... [--zip] [--output_dir DIR] [-- FIXED...]")
+    script, rest = argv[0], argv[1:]
+    fixed = rest[rest.index("--") + 1:] if "--" in rest else []
+    rest = rest[:rest.index("--")] if "--" in rest else rest
+    if not os.path.isfile(script):
+        fail(f"{script}: no such script.")
+    seeds, axes, zipped, output_dir = ["0"], [], False, os.path.join("runs", "sweep", os.path.splitext(os.path.basename(script))[0])
+    i = 0
+    while i < len(rest):
+        flag = rest[i]
+        if flag == "--zip":
+            zipped, i = True, i + 1
+            continue
+        if not flag.startswith("--") or i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+            fail(f"{flag!r}: expected --FLAG v1,v2,... before '--' (put fixed arguments after '--').")
+        values = rest[i + 1].split(",")
+        if flag == "--seeds":
+            seeds = values
+        elif flag == "--output_dir":
+            output_dir = rest[i + 1]
+        elif flag == "--seed":
+            fail("--seed: the sweep sets it for every run; use --seeds 0,1,2.")
+        else:
+            axes.append((flag, values))
+        i += 2
+    for arg in fixed:
+        if arg in ("--seed", "--output_dir"):
+            fail(f"{arg} after '--': the sweep sets it for every run (--seeds, and --output_dir before '--').")
+    if zipped and len({len(v) for _, v in axes}) > 1:
+        fail("--zip needs the same number of values on every axis: " + ", ".join(f"{f} has {len(v)}" for f, v in axes))
+    return script, seeds, axes, zipped, output_dir, fixed
+
+
+def main():
+    script, seeds, axes, zipped, output_dir, fixed = parse(sys.argv[1:])
+    flags = [flag for flag, _ in axes]
+    values = [v for _, v in axes]
+    settings = list(zip(*values)) if zipped and axes else list(itertools.product(*values))  # [()] without axes
+    methods = {}  # setting name -> its run folders
+    for setting in settings:
+        name = "-".join(f"{f.lstrip('-')}{v}" for f, v in zip(flags, setting)) or os.path.splitext(os.path.basename(script))[0]
+        name = re.sub(r"[^A-Za-z0-9._+-]", "_", name)  # a folder name, and a method name for eval.py
+        for seed in seeds:
+            run = os.path.join(output_dir, name, f"seed{seed}")
+            methods.setdefault(name, []).append(run)
+            if os.path.exists(os.path.join(run, "summary.json")):
+                print(f"sweep: {run} is finished (summary.json), skipped")
+                continue
+            cmd = [sys.executable, script, *[x for f, v in zip(flags, setting) for x in (f, v)], *fixed,
+                   "--seed", seed, "--output_dir", run]
+            print("sweep: " + " ".join(cmd[1:]), flush=True)
+            code = subprocess.run(cmd, check=False).returncode  # a failure stops the sweep below, loudly
+            if code != 0:
+                fail(f"{run} failed (exit code {code}); fix it and run the same command again: finished runs are skipped.")
+    # the comparison: eval.py reads NAME=PATTERN as one method whose runs are the matching folders
+    print("sweep: done. Compare the settings (add a baseline, e.g. sft=runs/sft):\n"
+          "python eval.py " + " ".join(f"'{name}={os.path.join(output_dir, name, 'seed*')}'" for name in methods))
+
+
+if __name__ == "__main__":
+    main()
