@@ -34,13 +34,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import grpo  # noqa: E402
+import sampling  # noqa: E402
 
 GROUPS = [(4, 16), (8, 8), (16, 4)]  # (G, prompts per step): 64 completions each
 
 
 def measure_gradients(model_path, num_gradients, seed):
     """Per G: gradient noise-to-signal at the SFT policy, advantage statistics, seconds."""
-    args = grpo.Args(model=model_path, beta=0.0, seed=seed)
+    args = grpo.Args(model=model_path, beta=0.0, seed=seed, temperature=0.7, max_completion_length=32)  # the study's settings
     common.set_seed(seed)
     tokenizer = common.load_tokenizer(model_path)
     model = common.load_model(model_path, args)
@@ -56,16 +57,16 @@ def measure_gradients(model_path, num_gradients, seed):
             idx = rng.choice(len(ds), size=batch_size, replace=False).tolist()
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             t0 = time.perf_counter()
-            completion_ids, completion_mask, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask,
+            completion_ids, completion_mask, _ = sampling.generate(model, tokenizer, prompt_ids, prompt_mask,
                                                                  args.max_completion_length, args.temperature,
                                                                  num_return_sequences=G)  # (64, C)
             t1 = time.perf_counter()
-            texts = common.decode_completions(tokenizer, completion_ids, completion_mask)
+            texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
             group = [i for i in idx for _ in range(G)]
             reward = common.call_reward_fn(gold, [ds["prompt"][i] for i in group], texts, {"post": [ds["post"][i] for i in group]})
             advantages = grpo.group_advantages(reward, G, "group")  # (64,)
             t2 = time.perf_counter()
-            logprobs = common.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, args.temperature)
+            logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, args.temperature)
             loss, _ = grpo.grpo_loss(logprobs, logprobs.detach(), None, advantages, completion_mask, args)
             model.zero_grad(set_to_none=True)
             loss.backward()
