@@ -171,7 +171,8 @@ def check_model_source(name):
 
 def load_model(name, args, cls=None, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
-    safetensors only, no remote code unless asked, on the training device."""
+    safetensors only, no remote code unless asked, on the training device. A causal LM whose
+    forward transforms its logits in a way sampling.lm_logits does not reproduce is refused."""
     from transformers import AutoModelForCausalLM
 
     check_model_source(name)
@@ -180,9 +181,12 @@ def load_model(name, args, cls=None, **kwargs):
         name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
         trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
     )
+    model = model.to(device())
+    if cls is AutoModelForCausalLM:
+        sampling.check_logits(model)  # one forward of a few tokens
     if getattr(args, "gradient_checkpointing", False):
         enable_checkpointing(model)
-    return model.to(device())
+    return model
 
 
 def enable_checkpointing(model):
@@ -441,14 +445,17 @@ def encode_prompts(tokenizer, texts, max_length=None):
     return _pad(seqs, tokenizer.pad_token_id, left=True)
 
 
-def encode_completions(tokenizer, texts, max_length=None):
-    """Right-padded completion ids (B, C) and mask, each ending with EOS (kept when truncated
-    would cut it: the mask, not the ids, says where a completion ends)."""
+def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):
+    """Right-padded completion ids (B, C) and mask, each ending with a stop token: EOS is added
+    unless the text already ends with one of `stop_ids` (sampling.stop_token_ids; default: EOS
+    alone), e.g. a chat template's end-of-turn. The mask, not the ids, says where a completion
+    ends (cut at max_length, the stop token is lost)."""
     eos = tokenizer.eos_token_id
+    stops = set(stop_ids or [eos])
     seqs = []
     for t in texts:
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
-        if not ids or ids[-1] != eos:
+        if not ids or ids[-1] not in stops:
             ids = ids + [eos]
         seqs.append(ids[:max_length] if max_length else ids)
     return _pad(seqs, tokenizer.pad_token_id, left=False)

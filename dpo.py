@@ -137,11 +137,11 @@ def pair_logps(model, batch, loss_type):
     return logps[:, 0], logps[:, 1]
 
 
-def encode_pairs(tokenizer, prompts, chosen, rejected, args):
+def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids):
     """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
     completion_ids, completion_mask = common.encode_completions(
-        tokenizer, chosen + rejected, args.max_completion_length)  # (2B, C): chosen first
+        tokenizer, chosen + rejected, args.max_completion_length, stop_ids)  # (2B, C): chosen first
     dev = common.device()
     return {"prompt_ids": prompt_ids.to(dev), "prompt_mask": prompt_mask.to(dev),
             "completion_ids": completion_ids.to(dev), "completion_mask": completion_mask.to(dev)}
@@ -156,7 +156,7 @@ def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
     out = []
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
-        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, sampling.stop_token_ids(model, tokenizer))
         out.append(torch.stack(pair_logps(model, batch, args.loss_type), 1).cpu())  # (b, 2)
     model.train(was_training)
     return torch.cat(out)
@@ -196,7 +196,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     completion_ids, completion_mask, truncated = sampling.generate(
         model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
         num_return_sequences=2)  # (2B, C)
-    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
@@ -253,6 +253,7 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
     model.train()
+    stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
@@ -316,7 +317,7 @@ def main():
                     continue
             else:
                 batch = encode_pairs(tokenizer, [prompts[i] for i in idx], [chosen[i] for i in idx],
-                                     [rejected[i] for i in idx], args)
+                                     [rejected[i] for i in idx], args, stop_ids)
             # 2. reference log-probs: from the cache, or a forward of the frozen reference
             if ref_cache is not None:
                 ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)

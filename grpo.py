@@ -282,7 +282,7 @@ def main():
                 completion_ids, completion_mask, truncated = sampling.generate(
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
                     num_return_sequences=G)
-                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]

@@ -309,7 +309,7 @@ def main():
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
             if args.reward_fn:  # a verifier on texts, with the dataset's other columns
-                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
+                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
                 raw = [raw_prompts[i] for i in idx]
                 completions = sampling.reward_completions(raw, texts)  # TRL's form: text, or an assistant message
                 scores = common.call_reward_fn(reward_fn, raw, completions, {k: [v[i] for i in idx] for k, v in columns.items()}).to(device)

@@ -72,7 +72,8 @@ def pair_scores(model, tokenizer, triples, args):
     prompts = [p for p, _, _ in triples]
     responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
     p_ids, p_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
-    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length)  # (2B, C)
+    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length,
+                                              sampling.stop_token_ids(model, tokenizer))  # (2B, C)
     ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
     mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
     scores = sampling.sequence_scores(model, ids, mask)  # (2B,)

@@ -78,6 +78,7 @@ def main():
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args)
     model.train()
+    stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: (prompt, completion) pairs rendered to text
@@ -120,7 +121,7 @@ def main():
                                                     step * args.gradient_accumulation_steps + micro))
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask = common.encode_completions(
-                tokenizer, [completions[i] for i in idx], args.max_completion_length)
+                tokenizer, [completions[i] for i in idx], args.max_completion_length, stop_ids)
             prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
             completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
 

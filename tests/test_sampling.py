@@ -130,4 +130,4 @@ def test_reward_completions_take_trls_form():
     """Text prompts get the text; conversational prompts one assistant message (TRL's form)."""
     conversation = [{"role": "user", "content": "hi"}]
     assert sampling.reward_completions(["POST: x TL;DR:"], [" alice ."]) == [" alice ."]
-    assert sampling.reward_completions([conversation], [" alice ."]) == [[{"role": "assistant", "content": "alice ."}]]
+    assert sampling.reward_completions([conversation], [" alice ."]) == [[{"role": "assistant", "content": " alice ."}]]
