@@ -27,8 +27,10 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 - Dropout is off in every forward pass (the actor and critic run in eval mode while training),
   so log-probs at rollout and at the first update match exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
-- The reward model must share the policy's tokenizer (true for reward.py's output): it scores
-  the rollout's token ids directly, and the critic reads the same ids.
+- The reward model must share the policy's tokenizer (true for reward.py's output): the critic,
+  initialised from it, reads the rollout's token ids. The reward model itself scores the decoded
+  completion rendered as reward.py rendered its training pairs (sampling.score_texts), so it
+  reads a chat template's end of turn as it was trained to, whichever stop token ended the sample.
 - --offload_frozen keeps pi_ref and R_psi on the CPU and moves each to the GPU only for its
   forward pass: it saves their weights' GPU memory (two of the four models) for two host<->device
   copies of each per step (about 2 * weight_bytes / PCIe bandwidth, e.g. ~0.25 s per step for two
@@ -206,9 +208,20 @@ def slice_batch(batch, idx):
     return {k: (v[:, :width] if v.dim() == 2 and k not in ("prompt_ids", "prompt_mask") else v) for k, v in mb.items()}
 
 
+@torch.no_grad()
+def score(reward_fn, reward_model, rm_tokenizer, prompts, texts, columns, args):
+    """R(x, y) of decoded completions (N,): the verifier on TRL's form of the text, with the
+    dataset's other columns, or the reward model on reward.py's rendering of it (uncentred)."""
+    completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
+    if reward_fn is not None:
+        return common.call_reward_fn(reward_fn, prompts, completions, columns)
+    return sampling.score_texts(reward_model, rm_tokenizer, prompts, completions, args.eval_batch_size,
+                                args.max_prompt_length)
+
+
 def on_device(model, device, offload):
     """Move a frozen model to `device` for its forward pass (a no-op unless --offload_frozen)."""
-    return model.to(device) if offload else model
+    return model.to(device) if offload and model is not None else model
 
 
 # ============================================================================ main
@@ -246,7 +259,7 @@ def main():
     policy = common.load_model(args.model, args)
     ref_policy = common.freeze(common.load_model(args.model, args)).to(offload_device)
     if args.reward_fn:
-        reward_model, reward_mean, critic_source = None, 0.0, args.model
+        reward_model, rm_tokenizer, reward_mean, critic_source = None, None, 0.0, args.model
     else:
         reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -297,7 +310,7 @@ def main():
 
         # 2. score and per-token rewards, all under no_grad
         with torch.no_grad():
-            old_logprobs, values, ref_logprobs, scores = [], [], [], []
+            old_logprobs, values, ref_logprobs = [], [], []
             ref_policy = on_device(ref_policy, device, args.offload_frozen)
             for s in range(0, rollout_batch, args.batch_size):
                 mb = {k: v[s:s + args.batch_size] for k, v in batch.items()}
@@ -308,19 +321,13 @@ def main():
                                                                mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
-            if args.reward_fn:  # a verifier on texts, with the dataset's other columns
-                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
-                raw = [raw_prompts[i] for i in idx]
-                completions = sampling.reward_completions(raw, texts)  # TRL's form: text, or an assistant message
-                scores = common.call_reward_fn(reward_fn, raw, completions, {k: [v[i] for i in idx] for k, v in columns.items()}).to(device)
-            else:  # R_psi at the last real token, centred by the mean score on chosen responses
-                reward_model = on_device(reward_model, device, args.offload_frozen)
-                for s in range(0, rollout_batch, args.batch_size):
-                    ids = torch.cat([batch["prompt_ids"][s:s + args.batch_size], batch["completion_ids"][s:s + args.batch_size]], 1)
-                    m = torch.cat([batch["prompt_mask"][s:s + args.batch_size], batch["completion_mask"][s:s + args.batch_size]], 1)
-                    scores.append(sampling.sequence_scores(reward_model, ids, m))
-                reward_model = on_device(reward_model, offload_device, args.offload_frozen)
-                scores = torch.cat(scores) - reward_mean  # (N,)
+            # a verifier on the text (with the dataset's other columns), or R_psi centred by the mean
+            # score on chosen responses
+            texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
+            reward_model = on_device(reward_model, device, args.offload_frozen)
+            scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
+                           {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
+            reward_model = on_device(reward_model, offload_device, args.offload_frozen)
             scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
             common.check_finite("reward", scores, step + 1)
             rewards, kl, non_score_reward = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)

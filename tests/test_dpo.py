@@ -234,7 +234,9 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
-    words = torch.tensor([len(t.split()) for t in dpo.sampling.decode_completions(tok, completion_ids, completion_mask)])
+    last = completion_ids.gather(1, completion_mask.sum(1, keepdim=True) - 1).squeeze(1)  # EOS unless truncated
+    texts = dpo.sampling.decode_completions(tok, completion_ids, completion_mask, last != tok.eos_token_id)
+    words = torch.tensor([len(t.split()) for t in texts])
     assert (words[:n] > words[n:]).all()  # chosen (first half) beat rejected (second half)
 
 
