@@ -94,6 +94,41 @@ def parse_args(cls):
     return args
 
 
+def is_embedded_policy(model):
+    """Whether --model is the embedded world's tiny policy: sft.py's from-scratch model (no
+    --model) or a folder whose tokenizer is the world's word-level one (runs/sft and everything
+    trained from it). Anything else, a Hub id or a folder with another tokenizer or none (a bare
+    config.json), is a pretrained model."""
+    if model == "":
+        return True
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        vocab = json.load(f).get("model", {}).get("vocab")
+    return isinstance(vocab, dict) and set(vocab) == set(world.vocabulary())
+
+
+def apply_defaults(args, embedded):
+    """The rule for defaults, in one place. Each script's Args defaults suit a pretrained model
+    (TRL's values where TRL has them); `embedded` holds the values tuned for the embedded world's
+    tiny policy, used when --model is that policy (`is_embedded_policy`). A flag given on the
+    command line always wins. Prints which set applies; args.json records the values used."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    if is_embedded_policy(args.model):
+        for name, value in embedded.items():
+            if name not in given:
+                setattr(args, name, value)
+        which = "the embedded world"
+    else:
+        which = "a pretrained model"
+    shown = ", ".join(f"{name} {getattr(args, name):g}" if isinstance(getattr(args, name), float)
+                      else f"{name} {getattr(args, name)}" for name in embedded)
+    if parallel.is_main():
+        print(f"{script_name()}: defaults for {which}: {shown} (flags you pass win)")
+    return args
+
+
 def check_choice(flag, value, choices):
     if value not in choices:
         fail(f"{flag} {value!r} is not one of: {', '.join(choices)}.")
@@ -355,6 +390,22 @@ def check_text(ds, columns, spec):
             if not ((isinstance(v, str) and v.strip()) or (is_conversational(v) and v)):
                 fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
                      f"{{role, content}} messages, got {str(v)[:80]!r}.")
+
+
+def check_readable(tokenizer, texts, model, spec, rows=16):
+    """Stop when most tokens of the first `rows` texts are the tokenizer's unknown token: the
+    data is in words this tokenizer cannot read (typically --dataset without --model, which
+    trains the embedded world's word-level policy on it)."""
+    unk = tokenizer.unk_token_id
+    ids = [i for t in texts[:rows] for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
+    if unk is None or not ids:
+        return
+    n_unk = sum(i == unk for i in ids)
+    if n_unk > len(ids) / 2:
+        fail(f"{n_unk} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown ({tokenizer.unk_token}) "
+             f"to the tokenizer of {model or 'the from-scratch model'} ({type(tokenizer).__name__}, {len(tokenizer)} tokens): "
+             "it cannot read this text. --model is probably missing: pass the Hub id or folder of a model whose "
+             "tokenizer reads it (the default runs/sft is the embedded world's word-level policy).")
 
 
 def render_prompt(tokenizer, prompt):

@@ -274,6 +274,7 @@ def generate_responses(path, name, raw_prompts, args):
     """The policy's responses to every prompt (from the cache when this exact run was done)."""
     tokenizer = common.load_tokenizer(path, args.trust_remote_code)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    common.check_readable(tokenizer, prompts, path, args.dataset)
     cached = cache_file(path, prompts, args)
     if os.path.exists(cached):
         with open(cached) as f:

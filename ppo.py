@@ -39,8 +39,7 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl \\
-        --reward_fn my_rewards.py:score --learning_rate 1e-6 --max_completion_length 256
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
 """
 
 import dataclasses
@@ -55,6 +54,9 @@ import parallel
 import sampling
 from common import TrainArgs
 
+# what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)
+EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_size": 64, "gradient_accumulation_steps": 1}
+
 
 @dataclass
 class Args(TrainArgs):
@@ -64,7 +66,7 @@ class Args(TrainArgs):
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # generation
-    max_completion_length: int = field(default=32, metadata={"help": "Tokens sampled per completion (EOS included)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Tokens sampled per completion, stop token included (embedded world: 32)."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL's default); log-probs and the KL are computed at the same temperature."})
     missing_eos_penalty: float = field(default=1.0, metadata={"help": "A completion with no EOS gets the score -missing_eos_penalty."})
     # algorithm
@@ -78,10 +80,11 @@ class Args(TrainArgs):
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
-    # optimisation (defaults suit the tiny embedded-world model; use ~1e-6 for a pretrained one)
+    # optimisation
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of the policy and the critic."})
-    batch_size: int = field(default=64, metadata={"help": "Prompts per micro-batch (generation and forward passes)."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic (embedded world: 2e-5)."})
+    batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch (generation and forward passes; embedded world: 64)."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per minibatch (embedded world: 1)."})
     # memory
     offload_frozen: bool = field(default=False, metadata={"help": "Keep the reference and reward model on the CPU between their forward passes."})
 
@@ -228,7 +231,7 @@ def on_device(model, device, offload):
 def main():
     from transformers import AutoModelForSequenceClassification
 
-    args = common.parse_args(Args)
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
         memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
@@ -272,6 +275,7 @@ def main():
     critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
     policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    common.check_readable(tokenizer, prompts, args.model, args.dataset)
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
