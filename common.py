@@ -42,7 +42,7 @@ class TrainArgs:
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub (off: only transformers' own code runs)."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32."})
-    attn_implementation: str = field(default="auto", metadata={"help": "auto (flash_attention_2 if importable on CUDA, else sdpa) | sdpa | eager | flash_attention_2."})
+    attn_implementation: str = field(default="auto", metadata={"help": "auto (flash_attention_2 if importable on CUDA, else sdpa where the architecture supports it, else eager) | sdpa | eager | flash_attention_2."})
     # optimisation
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps; more than one pass over the data cycles through it again."})
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
@@ -161,7 +161,7 @@ def attn_implementation(name):
         return name
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return None  # transformers' choice: sdpa where the architecture supports it, else eager (Gemma-2)
 
 
 def load_tokenizer(name, trust_remote_code=False):

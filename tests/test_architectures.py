@@ -159,3 +159,14 @@ def test_the_load_check_refuses_an_unknown_logit_transform():
     model = Scaled(build("llama").config).eval()
     with pytest.raises(SystemExit, match="Scaled is not supported: its forward transforms"):
         sampling.check_logits(model)
+
+
+def test_load_model_serves_an_architecture_without_sdpa(tmp_path):
+    """Gemma-2 has no SDPA path in transformers: --attn_implementation auto lets transformers
+    pick eager for it, and the load-time logits check passes with its softcap."""
+    from types import SimpleNamespace
+
+    build("gemma2").save_pretrained(tmp_path)
+    model = common.load_model(str(tmp_path), SimpleNamespace(dtype="auto", attn_implementation="auto",
+                                                             trust_remote_code=False))
+    assert model.config._attn_implementation == "eager" and model.config.final_logit_softcapping == 2.0
