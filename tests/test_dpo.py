@@ -232,7 +232,7 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     scores = judge(prompts, completions, columns).view(-1, 2).t()  # (2, B): first and second samples
     n = 8 - stats["ties"]
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    prompt_ids, completion_ids, completion_mask = batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"]
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
     last = completion_ids.gather(1, completion_mask.sum(1, keepdim=True) - 1).squeeze(1)  # EOS unless truncated
     texts = dpo.sampling.decode_completions(tok, completion_ids, completion_mask, last != tok.eos_token_id)
