@@ -5,6 +5,9 @@ grpo.py must read and trust. Every algorithm computes its ratio, KL and loss fro
 Conventions: prompts are left-padded (B, P), completions right-padded (B, C); masks, never pad
 ids, say where a sequence starts and ends, so pad == EOS is safe. When there are k times as many
 completions as prompts, completion row i continues prompt row i // k (`repeat_interleave(k)`).
+A completion ends at any of `stop_token_ids` (the tokenizer's EOS and the generation config's),
+and log-probs come from the logits the model samples from (`lm_logits`: the head and the
+architecture's post-head transform). tests/test_architectures.py checks both, per architecture.
 """
 
 import functools
