@@ -137,8 +137,9 @@ def pair_logps(model, batch, loss_type):
     return logps[:, 0], logps[:, 1]
 
 
-def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids):
-    """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
+def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
+    """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device;
+    a completion ending in one of `stop_ids` (sampling.stop_token_ids) gets no extra EOS."""
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
     completion_ids, completion_mask = common.encode_completions(
         tokenizer, chosen + rejected, args.max_completion_length, stop_ids)  # (2B, C): chosen first

@@ -124,10 +124,10 @@ def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():
     prompts, chosen, rejected = _pairs(4)
     batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args())
     chosen_logps, _ = dpo.pair_logps(model, batch, "sigmoid")
-    c_mask = batch[3][:4]
+    c_mask = batch["completion_mask"][:4]
     nll = dpo.chosen_nll(chosen_logps, c_mask, "sigmoid")
     # the same number from a full log-softmax: mean over pairs of each chosen response's token mean
-    p_ids, p_mask, c_ids = batch[0], batch[1], batch[2][:4]
+    p_ids, p_mask, c_ids = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"][:4]
     ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
     logp = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
