@@ -42,7 +42,7 @@ class TrainArgs:
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub (off: only transformers' own code runs)."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32."})
-    attn_implementation: str = field(default="auto", metadata={"help": "auto (flash_attention_2 if importable on CUDA, else sdpa) | sdpa | eager | flash_attention_2."})
+    attn_implementation: str = field(default="auto", metadata={"help": "auto (flash_attention_2 if importable on CUDA, else sdpa where the architecture supports it, else eager) | sdpa | eager | flash_attention_2."})
     # optimisation
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps; more than one pass over the data cycles through it again."})
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
@@ -94,6 +94,41 @@ def parse_args(cls):
     return args
 
 
+def is_embedded_policy(model):
+    """Whether --model is the embedded world's tiny policy: sft.py's from-scratch model (no
+    --model) or a folder whose tokenizer is the world's word-level one (runs/sft and everything
+    trained from it). Anything else, a Hub id or a folder with another tokenizer or none (a bare
+    config.json), is a pretrained model."""
+    if model == "":
+        return True
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        vocab = json.load(f).get("model", {}).get("vocab")
+    return isinstance(vocab, dict) and set(vocab) == set(world.vocabulary())
+
+
+def apply_defaults(args, embedded):
+    """The rule for defaults, in one place. Each script's Args defaults suit a pretrained model
+    (TRL's values where TRL has them); `embedded` holds the values tuned for the embedded world's
+    tiny policy, used when --model is that policy (`is_embedded_policy`). A flag given on the
+    command line always wins. Prints which set applies; args.json records the values used."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    if is_embedded_policy(args.model):
+        for name, value in embedded.items():
+            if name not in given:
+                setattr(args, name, value)
+        which = "the embedded world"
+    else:
+        which = "a pretrained model"
+    shown = ", ".join(f"{name} {getattr(args, name):g}" if isinstance(getattr(args, name), float)
+                      else f"{name} {getattr(args, name)}" for name in embedded)
+    if parallel.is_main():
+        print(f"{script_name()}: defaults for {which}: {shown} (flags you pass win)")
+    return args
+
+
 def check_choice(flag, value, choices):
     if value not in choices:
         fail(f"{flag} {value!r} is not one of: {', '.join(choices)}.")
@@ -126,7 +161,7 @@ def attn_implementation(name):
         return name
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return None  # transformers' choice: sdpa where the architecture supports it, else eager (Gemma-2)
 
 
 def load_tokenizer(name, trust_remote_code=False):
@@ -171,7 +206,8 @@ def check_model_source(name):
 
 def load_model(name, args, cls=None, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
-    safetensors only, no remote code unless asked, on the training device."""
+    safetensors only, no remote code unless asked, on the training device. A causal LM whose
+    forward transforms its logits in a way sampling.lm_logits does not reproduce is refused."""
     from transformers import AutoModelForCausalLM
 
     check_model_source(name)
@@ -180,9 +216,12 @@ def load_model(name, args, cls=None, **kwargs):
         name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
         trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
     )
+    model = model.to(device())
+    if cls is AutoModelForCausalLM:
+        sampling.check_logits(model)  # one forward of a few tokens
     if getattr(args, "gradient_checkpointing", False):
         enable_checkpointing(model)
-    return model.to(device())
+    return model
 
 
 def enable_checkpointing(model):
@@ -353,6 +392,22 @@ def check_text(ds, columns, spec):
                      f"{{role, content}} messages, got {str(v)[:80]!r}.")
 
 
+def check_readable(tokenizer, texts, model, spec, rows=16):
+    """Stop when most tokens of the first `rows` texts are the tokenizer's unknown token: the
+    data is in words this tokenizer cannot read (typically --dataset without --model, which
+    trains the embedded world's word-level policy on it)."""
+    unk = tokenizer.unk_token_id
+    ids = [i for t in texts[:rows] for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
+    if unk is None or not ids:
+        return
+    n_unk = sum(i == unk for i in ids)
+    if n_unk > len(ids) / 2:
+        fail(f"{n_unk} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown ({tokenizer.unk_token}) "
+             f"to the tokenizer of {model or 'the from-scratch model'} ({type(tokenizer).__name__}, {len(tokenizer)} tokens): "
+             "it cannot read this text. --model is probably missing: pass the Hub id or folder of a model whose "
+             "tokenizer reads it (the default runs/sft is the embedded world's word-level policy).")
+
+
 def render_prompt(tokenizer, prompt):
     """Prompt text: plain strings as they are; conversations through the chat template."""
     if isinstance(prompt, str):
@@ -441,14 +496,17 @@ def encode_prompts(tokenizer, texts, max_length=None):
     return _pad(seqs, tokenizer.pad_token_id, left=True)
 
 
-def encode_completions(tokenizer, texts, max_length=None):
-    """Right-padded completion ids (B, C) and mask, each ending with EOS (kept when truncated
-    would cut it: the mask, not the ids, says where a completion ends)."""
+def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):
+    """Right-padded completion ids (B, C) and mask, each ending with a stop token: EOS is added
+    unless the text already ends with one of `stop_ids` (sampling.stop_token_ids; default: EOS
+    alone), e.g. a chat template's end-of-turn. The mask, not the ids, says where a completion
+    ends (cut at max_length, the stop token is lost)."""
     eos = tokenizer.eos_token_id
+    stops = set(stop_ids or [eos])
     seqs = []
     for t in texts:
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
-        if not ids or ids[-1] != eos:
+        if not ids or ids[-1] not in stops:
             ids = ids + [eos]
         seqs.append(ids[:max_length] if max_length else ids)
     return _pad(seqs, tokenizer.pad_token_id, left=False)

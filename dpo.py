@@ -30,18 +30,18 @@ Departures from the paper and from TRL:
 - Online: pairs whose two samples get equal scores carry no preference; they are skipped and
   counted (`ties`), where TRL keeps them with an arbitrary label. The reference stays loaded
   (fresh samples need fresh reference log-probs), so online DPO holds two models.
-- With no arguments, it trains the from-scratch policy in runs/sft on the embedded world. The
-  learning-rate defaults suit that tiny model: 1e-5 offline (larger steps on the noisy labels
-  lower its greedy gold score), 3e-4 online; use
-  ~5e-7 for a pretrained model, as in the paper.
-  Online samples at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
+- Defaults: TRL's for a pretrained model (lr 5e-7; online 64 new tokens at temperature 0.9).
+  With no arguments, it trains the from-scratch policy in runs/sft on the embedded world, with
+  values tuned for that tiny model (common.apply_defaults): lr 1e-5 offline (larger steps on
+  the noisy labels lower its greedy gold score), 3e-4 online, and online samples of 48 tokens at
+  temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
 Run:
     python dpo.py                       # offline, embedded preference pairs -> runs/dpo
     python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
     python dpo.py --online --reward_model runs/reward
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
-        --learning_rate 5e-7 --batch_size 4 --gradient_accumulation_steps 16
+        --batch_size 4 --gradient_accumulation_steps 16
 """
 
 import sys
@@ -63,8 +63,8 @@ class Args(TrainArgs):
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Chosen/rejected completions are cut to their first this-many tokens (EOS included)."})
     # generation (online only)
-    max_new_tokens: int = field(default=48, metadata={"help": "Online: most tokens sampled per completion."})
-    temperature: float = field(default=0.7, metadata={"help": "Online: sampling temperature of the two completions per prompt (below 1 keeps the pairs near the greedy mode, which is what is evaluated)."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Online: most tokens sampled per completion (embedded world: 48)."})
+    temperature: float = field(default=0.9, metadata={"help": "Online: sampling temperature of the two completions per prompt (embedded world: 0.7, which keeps the pairs near the greedy mode that is evaluated)."})
     # algorithm
     beta: float = field(default=0.1, metadata={"help": "KL strength: the implicit reward is beta * log pi/ref (Eq. 7)."})
     loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid (DPO, Eq. 7) | ipo (Azar et al. 2023) | robust (Chowdhury et al. 2024)."})
@@ -74,12 +74,12 @@ class Args(TrainArgs):
     online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
     reward_fn: str = field(default="", metadata={"help": "Online judge: file.py:function with TRL's signature fn(prompts, completions, **columns) -> floats, or 'gold'."})
-    # optimisation (defaults suit the tiny from-scratch model in runs/sft)
+    # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
-    learning_rate: float = field(default=0.0, metadata={"help": "Peak learning rate; 0: 1e-5 offline, 3e-4 online (tuned for the tiny from-scratch model; ~5e-7 suits a pretrained one)."})
+    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate (TRL's; embedded world: 1e-5 offline, 3e-4 online)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name."})
     warmup_steps: int = field(default=5, metadata={"help": "Linear warm-up steps."})
-    batch_size: int = field(default=32, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch."})
+    batch_size: int = field(default=8, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch (TRL's; embedded world: 32)."})
 
 
 # ------------------------------------------------------------------------ the DPO loss
@@ -137,11 +137,12 @@ def pair_logps(model, batch, loss_type):
     return logps[:, 0], logps[:, 1]
 
 
-def encode_pairs(tokenizer, prompts, chosen, rejected, args):
-    """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device."""
+def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
+    """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device;
+    a completion ending in one of `stop_ids` (sampling.stop_token_ids) gets no extra EOS."""
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
     completion_ids, completion_mask = common.encode_completions(
-        tokenizer, chosen + rejected, args.max_completion_length)  # (2B, C): chosen first
+        tokenizer, chosen + rejected, args.max_completion_length, stop_ids)  # (2B, C): chosen first
     dev = common.device()
     return {"prompt_ids": prompt_ids.to(dev), "prompt_mask": prompt_mask.to(dev),
             "completion_ids": completion_ids.to(dev), "completion_mask": completion_mask.to(dev)}
@@ -156,7 +157,7 @@ def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
     out = []
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
-        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, sampling.stop_token_ids(model, tokenizer))
         out.append(torch.stack(pair_logps(model, batch, args.loss_type), 1).cpu())  # (b, 2)
     model.train(was_training)
     return torch.cat(out)
@@ -196,7 +197,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     completion_ids, completion_mask, truncated = sampling.generate(
         model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
         num_return_sequences=2)  # (2B, C)
-    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
@@ -221,6 +222,10 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
 # ------------------------------------------------------------------------ main
 def main():
     args = common.parse_args(Args)
+    # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
+    # on-policy, so they take a larger step than offline ones
+    common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "max_new_tokens": 48, "temperature": 0.7,
+                                 "batch_size": 32})
     if args.online and not any(a.startswith("--output_dir") for a in sys.argv):
         args.output_dir = f"runs/{common.script_name()}_online"
     if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
@@ -231,8 +236,6 @@ def main():
                           train_sequences=2 * args.batch_size, generation_sequences=2 * args.batch_size if args.online else 0,
                           prompt_length=args.max_prompt_length,
                           completion_length=args.max_new_tokens if args.online else args.max_completion_length)
-    # online pairs are exact (the judge, not noisy labels) and on-policy, so they take a larger step
-    args.learning_rate = args.learning_rate or (3e-4 if args.online else 1e-5)
     common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
     if not 0 <= args.label_smoothing < 0.5:
         common.fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
@@ -253,6 +256,7 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
     model.train()
+    stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
@@ -263,12 +267,14 @@ def main():
         prompts = list(ds["prompt"])
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
+        common.check_readable(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
     else:
         triples = common.preference_triples(ds, args.dataset)
         prompts = [common.render_prompt(tokenizer, p) for p, _, _ in triples]
         chosen = [common.render_completion(tokenizer, p, c) for p, c, _ in triples]
         rejected = [common.render_completion(tokenizer, p, r) for p, _, r in triples]
         n_examples = len(triples)
+        common.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
     print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
@@ -316,7 +322,7 @@ def main():
                     continue
             else:
                 batch = encode_pairs(tokenizer, [prompts[i] for i in idx], [chosen[i] for i in idx],
-                                     [rejected[i] for i in idx], args)
+                                     [rejected[i] for i in idx], args, stop_ids)
             # 2. reference log-probs: from the cache, or a forward of the frozen reference
             if ref_cache is not None:
                 ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)

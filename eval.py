@@ -284,14 +284,13 @@ def prob_first_better(model, tokenizer, prompts, firsts, seconds, batch_size=16)
         common.fail("the --judge llm model's tokenizer has no single token for 'A' or 'B'; use a judge model "
                     "whose vocabulary spells them (any instruction-tuned LM does).")
     texts = [judge_input(tokenizer, p, a, b) for p, a, b in zip(prompts, firsts, seconds)]
-    head = model.get_output_embeddings()
     probs = []
     for i in range(0, len(texts), batch_size):
         ids, mask = common.encode_prompts(tokenizer, texts[i:i + batch_size])  # left padded
         ids, mask = ids.to(model.device), mask.to(model.device)
         hidden = sampling.backbone(model)(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask),
                                         use_cache=False).last_hidden_state[:, -1]  # (b, H) at the last token
-        logits = head(hidden).float()  # (b, V): only the next token's logits, never (b, T, V)
+        logits = sampling.lm_logits(model, hidden)  # (b, V): only the next token's logits, never (b, T, V)
         log_a = torch.logsumexp(logits[:, a_ids], -1)  # (b,) all spellings of "A"
         log_b = torch.logsumexp(logits[:, b_ids], -1)
         probs.append(torch.sigmoid(log_a - log_b).cpu())  # = P(A) / (P(A) + P(B))
@@ -400,6 +399,7 @@ def generate_responses(path, name, raw_prompts, args):
     """The policy's responses to every prompt (from the cache when this exact run was done)."""
     tokenizer = common.load_tokenizer(path, args.trust_remote_code)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    common.check_readable(tokenizer, prompts, path, args.dataset)
     cached = cache_file(path, prompts, args)
     if os.path.exists(cached):
         with open(cached) as f:
@@ -408,9 +408,9 @@ def generate_responses(path, name, raw_prompts, args):
         return out["responses"], out["truncated"]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                               args.eval_batch_size, **sampling)
+                                                 args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     common.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
@@ -430,15 +430,17 @@ def parse_judge(spec):
 
 
 def judge_scores(kind, arg, responses, raw_prompts, columns, args):
-    """Score-based judges: {name: (n,) scores} for every policy and the references."""
+    """Score-based judges: {name: (n,) scores} for every policy and the references. Both get what
+    they get in training (sampling.reward_completions): a reward function TRL's form of the text,
+    a reward model reward.py's rendering of it through its own chat template."""
+    completions = {name: sampling.reward_completions(raw_prompts, texts) for name, texts in responses.items()}
     if kind == "gold":
         fn = common.load_reward_fn(args.reward_fn)
-        return {name: common.call_reward_fn(fn, raw_prompts, texts, columns).double().numpy()
-                for name, texts in responses.items()}
+        return {name: common.call_reward_fn(fn, raw_prompts, c, columns).double().numpy()
+                for name, c in completions.items()}
     model, tokenizer = common.load_reward_model(arg, args)
-    prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
-    return {name: sampling.reward_model_scores(model, tokenizer, prompts, texts, args.eval_batch_size).double().numpy()
-            for name, texts in responses.items()}
+    return {name: sampling.score_texts(model, tokenizer, raw_prompts, c, args.eval_batch_size).double().numpy()
+            for name, c in completions.items()}
 
 
 # ============================================================================ reports
@@ -603,8 +605,8 @@ def main():
         for path, run in zip(paths, runs[name]):
             responses[run], truncated[run] = generate_responses(path, run, raw_prompts, args)
     if has_reference:
-        # written as sampling.decode_completions writes the policies' responses: " " + stripped text
-        responses[REFERENCE] = [" " + (r if isinstance(r, str) else r[-1]["content"]).strip() for r in ds[args.reference_column]]
+        # the reference's text as the dataset writes it, as a policy's response is its decoded text
+        responses[REFERENCE] = [r if isinstance(r, str) else r[-1]["content"] for r in ds[args.reference_column]]
         runs[REFERENCE] = [REFERENCE]
 
     # ---- pairs: every pair of methods (the later one as a), then each method vs the references;

@@ -33,18 +33,19 @@ Departures from the paper and from TRL:
   std 0 and A = 0 instead.
 - `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
-- The defaults are tuned for the tiny from-scratch policy in runs/sft: lr 5e-5, 32-token
-  completions, temperature 0.7 (TRL: 1.0). At 1.0 its samples score far below its greedy
-  output, the group baseline then favours the empty summary (gold 0), and the policy collapses
-  to it. For a pretrained model use TRL-like values (--learning_rate 1e-6, --temperature 1.0,
-  longer completions).
+- Defaults: TRL's for a pretrained model (lr 1e-6, temperature 1.0, 256-token completions,
+  micro-batches of 8 completions, 8 prompts per step);
+  for the embedded world's tiny policy (runs/sft) the values tuned for it, `EMBEDDED_DEFAULTS`
+  (common.apply_defaults says which apply). At temperature 1.0 the tiny policy's samples score
+  far below its greedy output, the group baseline then favours the empty summary (gold 0), and
+  the policy collapses to it; hence 0.7 there.
 
 Run:
     python grpo.py                                        # runs/sft + gold verifier -> runs/grpo
     python grpo.py --reward_model runs/reward             # learned reward instead of the verifier
     python grpo.py --reward_model runs/reward --reward_fn gold --reward_weights 0,1 --output_dir runs/grpo_rm
                                                           # ... and log the samples' gold score (weight 0)
-    python grpo.py --model Qwen/Qwen2.5-1.5B --learning_rate 1e-6 --temperature 1.0   # embedded prompts, gold
+    python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
 """
 
@@ -61,6 +62,9 @@ import sampling
 from common import TrainArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0
+# what the embedded world's tiny policy needs instead of the pretrained defaults (see the docstring)
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-5, "temperature": 0.7, "max_completion_length": 32, "batch_size": 8,
+                     "gradient_accumulation_steps": 1}
 
 
 @dataclass
@@ -73,8 +77,8 @@ class Args(TrainArgs):
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     # generation
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt (at least 2)."})
-    max_completion_length: int = field(default=32, metadata={"help": "Completions stop at EOS or this many tokens."})
-    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL: 1.0); log-probs are computed at the same temperature."})
+    max_completion_length: int = field(default=256, metadata={"help": "Completions stop at a stop token or this many tokens (embedded world: 32)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (embedded world: 0.7); log-probs are computed at the same temperature."})
     # algorithm
     beta: float = field(default=0.04, metadata={"help": "Weight of the k3 KL to the reference; 0 never loads the reference model."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range: the ratio is clipped below at 1 - epsilon."})
@@ -84,10 +88,11 @@ class Args(TrainArgs):
     loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the batch)."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, batch with a --reward_model, else group."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
-    # optimisation (defaults fit the tiny runs/sft policy; use ~1e-6 for a pretrained model)
+    # optimisation
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate (5e-5 suits the tiny runs/sft policy; ~1e-6 a pretrained one)."})
-    batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch; each yields --num_generations completions."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (TRL's; embedded world: 5e-5)."})
+    batch_size: int = field(default=1, metadata={"help": "Prompts per micro-batch; each yields --num_generations completions (TRL: 8 completions per device; embedded world: 8 prompts)."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step (embedded world: 1)."})
     eval_batch_size: int = field(default=200, metadata={"help": "Prompts per generation batch when scoring the test split."})
 
 
@@ -207,7 +212,7 @@ def score(rewards, prompts, texts, columns, args):
 
 # ============================================================================ main
 def main():
-    args = common.parse_args(Args)
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what GRPO holds: the policy, a reference unless beta == 0, reward models
         memory.print_plan(args, reference=True if args.beta else "--beta 0",
                           reward_models=args.reward_model.split(","), reward_note="reward function(s) only",
@@ -251,6 +256,7 @@ def main():
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
+    common.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
     print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {weights.tolist()}, --scale_rewards {args.scale_rewards}), "
@@ -282,7 +288,7 @@ def main():
                 completion_ids, completion_mask, truncated = sampling.generate(
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
                     num_return_sequences=G)
-                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]

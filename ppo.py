@@ -27,8 +27,10 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 - Dropout is off in every forward pass (the actor and critic run in eval mode while training),
   so log-probs at rollout and at the first update match exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
-- The reward model must share the policy's tokenizer (true for reward.py's output): it scores
-  the rollout's token ids directly, and the critic reads the same ids.
+- The reward model must share the policy's tokenizer (true for reward.py's output): the critic,
+  initialised from it, reads the rollout's token ids. The reward model itself scores the decoded
+  completion rendered as reward.py rendered its training pairs (sampling.score_texts), so it
+  reads a chat template's end of turn as it was trained to, whichever stop token ended the sample.
 - --offload_frozen keeps pi_ref and R_psi on the CPU and moves each to the GPU only for its
   forward pass: it saves their weights' GPU memory (two of the four models) for two host<->device
   copies of each per step (about 2 * weight_bytes / PCIe bandwidth, e.g. ~0.25 s per step for two
@@ -37,8 +39,7 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl \\
-        --reward_fn my_rewards.py:score --learning_rate 1e-6 --max_completion_length 256
+    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
 """
 
 import dataclasses
@@ -53,6 +54,9 @@ import parallel
 import sampling
 from common import TrainArgs
 
+# what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)
+EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_size": 64, "gradient_accumulation_steps": 1}
+
 
 @dataclass
 class Args(TrainArgs):
@@ -62,7 +66,7 @@ class Args(TrainArgs):
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # generation
-    max_completion_length: int = field(default=32, metadata={"help": "Tokens sampled per completion (EOS included)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Tokens sampled per completion, stop token included (embedded world: 32)."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL's default); log-probs and the KL are computed at the same temperature."})
     missing_eos_penalty: float = field(default=1.0, metadata={"help": "A completion with no EOS gets the score -missing_eos_penalty."})
     # algorithm
@@ -76,10 +80,11 @@ class Args(TrainArgs):
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
-    # optimisation (defaults suit the tiny embedded-world model; use ~1e-6 for a pretrained one)
+    # optimisation
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of the policy and the critic."})
-    batch_size: int = field(default=64, metadata={"help": "Prompts per micro-batch (generation and forward passes)."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic (embedded world: 2e-5)."})
+    batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch (generation and forward passes; embedded world: 64)."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per minibatch (embedded world: 1)."})
     # memory
     offload_frozen: bool = field(default=False, metadata={"help": "Keep the reference and reward model on the CPU between their forward passes."})
 
@@ -206,16 +211,27 @@ def slice_batch(batch, idx):
     return {k: (v[:, :width] if v.dim() == 2 and k not in ("prompt_ids", "prompt_mask") else v) for k, v in mb.items()}
 
 
+@torch.no_grad()
+def score(reward_fn, reward_model, rm_tokenizer, prompts, texts, columns, args):
+    """R(x, y) of decoded completions (N,): the verifier on TRL's form of the text, with the
+    dataset's other columns, or the reward model on reward.py's rendering of it (uncentred)."""
+    completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
+    if reward_fn is not None:
+        return common.call_reward_fn(reward_fn, prompts, completions, columns)
+    return sampling.score_texts(reward_model, rm_tokenizer, prompts, completions, args.eval_batch_size,
+                                args.max_prompt_length)
+
+
 def on_device(model, device, offload):
     """Move a frozen model to `device` for its forward pass (a no-op unless --offload_frozen)."""
-    return model.to(device) if offload else model
+    return model.to(device) if offload and model is not None else model
 
 
 # ============================================================================ main
 def main():
     from transformers import AutoModelForSequenceClassification
 
-    args = common.parse_args(Args)
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
         memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
@@ -246,7 +262,7 @@ def main():
     policy = common.load_model(args.model, args)
     ref_policy = common.freeze(common.load_model(args.model, args)).to(offload_device)
     if args.reward_fn:
-        reward_model, reward_mean, critic_source = None, 0.0, args.model
+        reward_model, rm_tokenizer, reward_mean, critic_source = None, None, 0.0, args.model
     else:
         reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -259,6 +275,7 @@ def main():
     critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
     policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    common.check_readable(tokenizer, prompts, args.model, args.dataset)
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
@@ -297,7 +314,7 @@ def main():
 
         # 2. score and per-token rewards, all under no_grad
         with torch.no_grad():
-            old_logprobs, values, ref_logprobs, scores = [], [], [], []
+            old_logprobs, values, ref_logprobs = [], [], []
             ref_policy = on_device(ref_policy, device, args.offload_frozen)
             for s in range(0, rollout_batch, args.batch_size):
                 mb = {k: v[s:s + args.batch_size] for k, v in batch.items()}
@@ -308,19 +325,13 @@ def main():
                                                                mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
-            if args.reward_fn:  # a verifier on texts, with the dataset's other columns
-                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
-                raw = [raw_prompts[i] for i in idx]
-                completions = sampling.reward_completions(raw, texts)  # TRL's form: text, or an assistant message
-                scores = common.call_reward_fn(reward_fn, raw, completions, {k: [v[i] for i in idx] for k, v in columns.items()}).to(device)
-            else:  # R_psi at the last real token, centred by the mean score on chosen responses
-                reward_model = on_device(reward_model, device, args.offload_frozen)
-                for s in range(0, rollout_batch, args.batch_size):
-                    ids = torch.cat([batch["prompt_ids"][s:s + args.batch_size], batch["completion_ids"][s:s + args.batch_size]], 1)
-                    m = torch.cat([batch["prompt_mask"][s:s + args.batch_size], batch["completion_mask"][s:s + args.batch_size]], 1)
-                    scores.append(sampling.sequence_scores(reward_model, ids, m))
-                reward_model = on_device(reward_model, offload_device, args.offload_frozen)
-                scores = torch.cat(scores) - reward_mean  # (N,)
+            # a verifier on the text (with the dataset's other columns), or R_psi centred by the mean
+            # score on chosen responses
+            texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
+            reward_model = on_device(reward_model, device, args.offload_frozen)
+            scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
+                           {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
+            reward_model = on_device(reward_model, offload_device, args.offload_frozen)
             scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
             common.check_finite("reward", scores, step + 1)
             rewards, kl, non_score_reward = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)

@@ -22,7 +22,7 @@ Departures from the paper and from TRL's RewardTrainer:
 Run:
     python reward.py                                # runs/sft + embedded prefs -> runs/reward
     python reward.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/ultrafeedback_binarized \\
-        --learning_rate 1e-5 --max_steps 2000
+        --max_steps 2000
 """
 
 import math
@@ -38,6 +38,9 @@ import sampling
 import world
 from common import TrainArgs
 
+# what the embedded world's tiny model needs instead of the pretrained defaults (common.apply_defaults)
+EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "batch_size": 32}
+
 
 @dataclass
 class Args(TrainArgs):
@@ -46,12 +49,12 @@ class Args(TrainArgs):
     test_size: float = field(default=0.1, metadata={"help": "Fraction of the pairs held out for the test accuracy when --eval_dataset is empty."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Responses are cut to their first this-many tokens (EOS included)."})
-    # optimisation (defaults suit the tiny embedded-world model; use ~1e-5 for a pretrained one)
+    # optimisation (defaults for a pretrained model; EMBEDDED_DEFAULTS for the embedded world's tiny one)
     max_steps: int = field(default=400, metadata={"help": "Optimizer steps; cycles through the pairs as needed."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
-    warmup_steps: int = field(default=10, metadata={"help": "Linear warm-up steps."})
-    batch_size: int = field(default=32, metadata={"help": "Preference pairs per micro-batch (2x sequences)."})
+    learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate (embedded world: 1e-3)."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (embedded world: cosine)."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (embedded world: 10)."})
+    batch_size: int = field(default=8, metadata={"help": "Preference pairs per micro-batch, 2x sequences (TRL's; embedded world: 32)."})
     # logging
     eval_steps: int = field(default=100, metadata={"help": "Log test loss/accuracy/margin every this many steps (0: at the end only)."})
 
@@ -72,7 +75,8 @@ def pair_scores(model, tokenizer, triples, args):
     prompts = [p for p, _, _ in triples]
     responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
     p_ids, p_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
-    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length)  # (2B, C)
+    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length,
+                                              sampling.stop_token_ids(model, tokenizer))  # (2B, C)
     ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
     mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
     scores = sampling.sequence_scores(model, ids, mask)  # (2B,)
@@ -103,7 +107,7 @@ def render(tokenizer, triples):
 def main():
     from transformers import AutoModelForSequenceClassification
 
-    args = common.parse_args(Args)
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
         memory.print_plan(args, head="score", train_sequences=2 * args.batch_size,
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
@@ -134,6 +138,7 @@ def main():
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
+    common.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 

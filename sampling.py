@@ -5,6 +5,9 @@ grpo.py must read and trust. Every algorithm computes its ratio, KL and loss fro
 Conventions: prompts are left-padded (B, P), completions right-padded (B, C); masks, never pad
 ids, say where a sequence starts and ends, so pad == EOS is safe. When there are k times as many
 completions as prompts, completion row i continues prompt row i // k (`repeat_interleave(k)`).
+A completion ends at any of `stop_token_ids` (the tokenizer's EOS and the generation config's),
+and log-probs come from the logits the model samples from (`lm_logits`: the head and the
+architecture's post-head transform). tests/test_architectures.py checks both, per architecture.
 """
 
 import functools
@@ -15,6 +18,81 @@ from transformers import DynamicCache
 
 import common
 import parallel
+
+
+# ============================================================================ stop tokens
+def stop_token_ids(model_or_config, tokenizer):
+    """Every token that ends a completion: the tokenizer's EOS and the model's generation-config
+    `eos_token_id` (an int or a list: Llama-3-Instruct's <|eot_id|> and <|eom_id|>, Gemma's
+    <end_of_turn>, Qwen2.5-Instruct's <|im_end|> and <|endoftext|>), as HF `generate` stops.
+    `model_or_config`: a model, its GenerationConfig or its config. Returns a sorted list."""
+    gen = getattr(model_or_config, "generation_config", None)
+    if gen is None:  # a config object itself, or a model without a generation config (a reward model)
+        gen = getattr(model_or_config, "config", model_or_config)
+    listed = getattr(gen, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return sorted({tokenizer.eos_token_id, *listed})
+
+
+# ============================================================================ logits
+def logit_transform(config):
+    """What the architecture's forward does to the LM head's output before returning `logits`,
+    as a function of fp32 logits (None: nothing). completion_logprobs applies it inside its
+    chunked head, so training sees the distribution `generate` samples from. common.load_model
+    checks it on every causal LM it loads (`check_logits`) and refuses one that does more."""
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma-2/3: cap * tanh(logits / cap)
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    divide = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    multiply = getattr(config, "lm_head_multiplier", None)  # Falcon-H1: logits * lm_head_multiplier
+    steps = []
+    if cap:
+        steps.append(lambda x: torch.tanh(x / cap) * cap)
+    if scale is not None and scale != 1:
+        steps.append(lambda x: x * scale)
+    if divide is not None and divide != 1:
+        steps.append(lambda x: x / divide)
+    if multiply is not None and multiply != 1:
+        steps.append(lambda x: x * multiply)
+    if not steps:
+        return None
+
+    def transform(x):
+        for f in steps:
+            x = f(x)
+        return x
+    return transform
+
+
+def lm_logits(model, hidden):
+    """fp32 next-token logits from final hidden states (..., H) -> (..., V): the LM head and the
+    architecture's transform (`logit_transform`), exactly what `model(...).logits` holds."""
+    logits = model.get_output_embeddings()(hidden).float()
+    transform = logit_transform(model.config)
+    return transform(logits) if transform is not None else logits
+
+
+@torch.no_grad()
+def check_logits(model, tokens=8):
+    """Refuse a causal LM whose forward transforms its logits in a way `lm_logits` does not
+    reproduce: compare log-softmax of both on a few tokens (one short forward; the tolerance
+    allows bf16 rounding, a missing transform on a real model is off by nats)."""
+    arch = type(model).__name__
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, tokens + 1, device=model.device) * 7919 % vocab)[None]  # (1, T) arbitrary tokens
+    mask = torch.ones_like(ids)
+    try:
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False).logits
+        hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                                 use_cache=False).last_hidden_state
+    except (AttributeError, TypeError, ValueError) as e:
+        common.fail(f"{arch} is not supported: its backbone cannot be run on its own to read log-probs "
+                    f"from the hidden states ({type(e).__name__}: {e}).")
+    error = (torch.log_softmax(lm_logits(model, hidden), -1) - torch.log_softmax(expected.float(), -1)).abs().max()
+    tolerance = 1e-3 if model.dtype == torch.float32 else 0.25
+    if not error <= tolerance:
+        common.fail(f"{arch} is not supported: its forward transforms the LM head's logits in a way this project "
+                    f"does not reproduce (log-probs off by {float(error):.3g} nats), so training would optimise "
+                    "another distribution than the one it samples from.")
 
 
 # ============================================================================ log-probs
@@ -87,10 +165,11 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     keep = completion_mask.bool()
     h, labels = hidden[keep], completion_ids[keep]  # (N, H), (N,): real tokens only
     head = model.get_output_embeddings()
+    transform = logit_transform(model.config)  # e.g. Gemma-2's softcap: the logits generate samples from
     chunk = chunk_tokens or max(1, 2**26 // head.weight.shape[0])  # <= 256 MB of fp32 logits
     lps, ents = [], []
     for i in range(0, h.shape[0], chunk):
-        args = (head, h[i:i + chunk], labels[i:i + chunk], temperature, with_entropy)
+        args = (head, transform, h[i:i + chunk], labels[i:i + chunk], temperature, with_entropy)
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
@@ -106,8 +185,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logprobs, entropy
 
 
-def _head_logprobs(head, h, labels, temperature, with_entropy):
-    logits = head(h).float() / temperature  # (n, V), fp32 for a stable log-softmax
+def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
+    logits = head(h).float()  # (n, V), fp32 for a stable log-softmax
+    logits = (transform(logits) if transform is not None else logits) / temperature
     logz = torch.logsumexp(logits, -1)
     lp = logits.gather(-1, labels[:, None]).squeeze(-1) - logz
     ent = None
@@ -122,18 +202,20 @@ def _head_logprobs(head, h, labels, temperature, with_entropy):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0,
              top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1):
-    """Sample `num_return_sequences` (n) completions per prompt; stop at EOS.
+    """Sample `num_return_sequences` (n) completions per prompt; stop at any stop token
+    (`stop_token_ids`: the tokenizer's EOS and the generation config's).
 
     A plain decoding loop over the model's key/value cache -- HF `generate`'s sampling, without
     its processors: each prompt is prefilled once and its cache repeated for its n samples, so
     rows i*n..(i+1)*n-1 are prompt i's (the layout of `repeat_interleave(n)`). Sampling is
     multinomial at `temperature`, optionally restricted by `top_k` / `top_p`; `do_sample=False`
-    is greedy. Returns completion ids (B*n, C) with everything after the first EOS set to pad,
-    the mask (1 up to and including EOS), and `truncated` (B*n,): True where no EOS was produced.
+    is greedy. Returns completion ids (B*n, C) with everything after the first stop token set to
+    pad, the mask (1 up to and including it), and `truncated` (B*n,): True where none was produced.
     """
     was_training = model.training
     model.eval()
-    n, eos, pad = num_return_sequences, tokenizer.eos_token_id, tokenizer.pad_token_id
+    n, pad = num_return_sequences, tokenizer.pad_token_id
+    stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)
     cache = DynamicCache(config=model.config)
     positions = position_ids(prompt_mask)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
@@ -148,7 +230,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     for t in range(max_new_tokens):
         token = _next_token(logits, temperature, top_p, top_k, do_sample).masked_fill(done, pad)  # (B*n,)
         tokens.append(token)
-        done |= token == eos
+        done |= torch.isin(token, stops)
         finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
         if finished or t + 1 == max_new_tokens:
             break
@@ -159,11 +241,11 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     del cache
     model.train(was_training)
     completion = torch.stack(tokens, 1) if tokens else prompt_ids.new_full((logits.shape[0], 1), pad)  # (B*n, C)
-    is_eos = completion == eos
-    truncated = ~is_eos.any(1)
-    first_eos = torch.where(truncated, completion.shape[1], is_eos.int().argmax(1))  # (B*n,)
+    is_stop = torch.isin(completion, stops)
+    truncated = ~is_stop.any(1)
+    first_stop = torch.where(truncated, completion.shape[1], is_stop.int().argmax(1))  # (B*n,)
     arange = torch.arange(completion.shape[1], device=completion.device)
-    completion_mask = (arange[None] <= first_eos[:, None]).long()
+    completion_mask = (arange[None] <= first_stop[:, None]).long()
     completion = completion.masked_fill(completion_mask == 0, pad)
     width = max(int(completion_mask.sum(1).max()), 1)
     return completion[:, :width], completion_mask[:, :width], truncated
@@ -187,18 +269,23 @@ def _next_token(logits, temperature, top_p, top_k, do_sample):
 
 
 def reward_completions(prompts, texts):
-    """What reward functions and judges receive for decoded completion texts, in TRL's form:
-    the text itself after a text prompt; one assistant message after a conversational prompt."""
-    return [[{"role": "assistant", "content": t.strip()}] if common.is_conversational(p) else t
+    """What reward functions and reward models receive for decoded completion texts
+    (`decode_completions`), in TRL's exact form: the text itself, unchanged, after a text prompt;
+    one assistant message holding that text after a conversational prompt. Every script that
+    scores completions (grpo.py, ppo.py, dpo.py --online, eval.py) goes through here."""
+    return [[{"role": "assistant", "content": t}] if common.is_conversational(p) else t
             for p, t in zip(prompts, texts)]
 
 
-def decode_completions(tokenizer, completion_ids, completion_mask):
-    """Completion texts without EOS or padding."""
+def decode_completions(tokenizer, completion_ids, completion_mask, truncated):
+    """Completion texts as `generate` returns them: without padding, without the stop token that
+    ends a completion (the last real token of every row not `truncated`), otherwise exactly as
+    the tokenizer decodes them (TRL's `batch_decode(..., skip_special_tokens=True)`: no space
+    added, nothing stripped, so a format reward sees what the policy wrote)."""
     texts = []
-    for ids, m in zip(completion_ids.tolist(), completion_mask.tolist()):
-        ids = [t for t, k in zip(ids, m) if k and t != tokenizer.eos_token_id]
-        texts.append(" " + tokenizer.decode(ids, skip_special_tokens=True).strip())
+    for ids, m, tr in zip(completion_ids.tolist(), completion_mask.tolist(), truncated.tolist()):
+        ids = [t for t, k in zip(ids, m) if k]
+        texts.append(tokenizer.decode(ids if tr else ids[:-1], skip_special_tokens=True))
     return texts
 
 
@@ -209,7 +296,7 @@ def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, **sam
     for i in range(0, len(prompts), batch_size):
         ids, mask = common.encode_prompts(tokenizer, prompts[i:i + batch_size])
         c, cm, tr = generate(model, tokenizer, ids.to(model.device), mask.to(model.device), max_new_tokens, **sampling)
-        texts += decode_completions(tokenizer, c, cm)
+        texts += decode_completions(tokenizer, c, cm, tr)
         truncated += tr.tolist()
     return texts, truncated
 
@@ -235,7 +322,8 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, m
     scores = []
     for i in range(0, len(prompts), batch_size):
         p_ids, p_mask = common.encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
-        c_ids, c_mask = common.encode_completions(tokenizer, completions[i:i + batch_size], max_length)
+        c_ids, c_mask = common.encode_completions(tokenizer, completions[i:i + batch_size], max_length,
+                                                  stop_token_ids(model, tokenizer))
         ids = torch.cat([p_ids, c_ids], 1).to(model.device)
         mask = torch.cat([p_mask, c_mask], 1).to(model.device)
         scores.append(sequence_scores(model, ids, mask).cpu())

@@ -13,7 +13,7 @@ Departures from the paper and from TRL:
 
 Run:
     python sft.py                                   # embedded world, from scratch -> runs/sft
-    python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara --learning_rate 2e-5
+    python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +27,10 @@ import sampling
 import world
 from common import TrainArgs
 
+# what training the embedded world's tiny policy from scratch needs (common.apply_defaults)
+EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 30, "weight_decay": 0.01,
+                     "batch_size": 32}
+
 
 @dataclass
 class Args(TrainArgs):
@@ -36,13 +40,13 @@ class Args(TrainArgs):
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
     hidden_size: int = field(default=192, metadata={"help": "From-scratch model only: hidden size of the tiny Qwen2."})
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only: number of layers of the tiny Qwen2."})
-    # optimisation (defaults train the tiny model from scratch; use ~2e-5 for a pretrained one)
+    # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate (1e-3 suits the from-scratch model; ~2e-5 a pretrained one)."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
-    warmup_steps: int = field(default=30, metadata={"help": "Linear warm-up steps."})
-    batch_size: int = field(default=32, metadata={"help": "Examples per micro-batch."})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (from scratch: cosine)."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (from scratch: 30)."})
+    batch_size: int = field(default=8, metadata={"help": "Examples per micro-batch (TRL's; from scratch: 32)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (from scratch: 0.01)."})
 
 
 def sft_loss(logprobs, completion_mask, num_tokens):
@@ -56,7 +60,7 @@ def sft_loss(logprobs, completion_mask, num_tokens):
 
 
 def main():
-    args = common.parse_args(Args)
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
         memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
                           completion_length=args.max_completion_length)
@@ -78,6 +82,7 @@ def main():
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args)
     model.train()
+    stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: (prompt, completion) pairs rendered to text
@@ -85,6 +90,7 @@ def main():
     pairs = common.sft_pairs(ds, args.dataset)
     prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
     completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]
+    common.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
     print(f"sft: {len(pairs)} examples from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
@@ -120,7 +126,7 @@ def main():
                                                     step * args.gradient_accumulation_steps + micro))
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask = common.encode_completions(
-                tokenizer, [completions[i] for i in idx], args.max_completion_length)
+                tokenizer, [completions[i] for i in idx], args.max_completion_length, stop_ids)
             prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
             completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
 

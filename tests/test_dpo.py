@@ -124,10 +124,10 @@ def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():
     prompts, chosen, rejected = _pairs(4)
     batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args())
     chosen_logps, _ = dpo.pair_logps(model, batch, "sigmoid")
-    c_mask = batch[3][:4]
+    c_mask = batch["completion_mask"][:4]
     nll = dpo.chosen_nll(chosen_logps, c_mask, "sigmoid")
     # the same number from a full log-softmax: mean over pairs of each chosen response's token mean
-    p_ids, p_mask, c_ids = batch[0], batch[1], batch[2][:4]
+    p_ids, p_mask, c_ids = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"][:4]
     ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
     logp = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
@@ -232,9 +232,11 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     scores = judge(prompts, completions, columns).view(-1, 2).t()  # (2, B): first and second samples
     n = 8 - stats["ties"]
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    prompt_ids, completion_ids, completion_mask = batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"]
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
-    words = torch.tensor([len(t.split()) for t in dpo.sampling.decode_completions(tok, completion_ids, completion_mask)])
+    last = completion_ids.gather(1, completion_mask.sum(1, keepdim=True) - 1).squeeze(1)  # EOS unless truncated
+    texts = dpo.sampling.decode_completions(tok, completion_ids, completion_mask, last != tok.eos_token_id)
+    words = torch.tensor([len(t.split()) for t in texts])
     assert (words[:n] > words[n:]).all()  # chosen (first half) beat rejected (second half)
 
 

@@ -132,7 +132,7 @@ def test_user_reward_fn_receives_extra_columns(tmp_path):
                     "    return [float(a in c) for c, a in zip(completions, answer)]\n")
     args = SimpleNamespace(reward_fn=f"{path}:match", reward_model="", reward_weights="2", dataset="x.jsonl")
     rewards, weights = grpo.load_rewards(args)
-    assert [n for n, _, _ in rewards] == ["match"] and weights.tolist() == [2.0]
+    assert [r["name"] for r in rewards] == ["match"] and weights.tolist() == [2.0]
     scores = grpo.score(rewards, ["say 3", "say 4"], [" 3", " 5"], {"answer": ["3", "4"]}, args)
     assert scores.tolist() == [[1.0], [0.0]]
     # conversational prompts: completions arrive as assistant messages, as in TRL

@@ -140,7 +140,7 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
     p_ids, p_mask = common.encode_prompts(tok, ["POST: a . TL;DR:"] * 2)
     logprobs = sampling.completion_logprobs(model, p_ids, p_mask, ids, mask)
     assert torch.isfinite(logprobs).all() and (logprobs[0, 1:] == 0).all()
-    assert sampling.decode_completions(tok, ids, mask)[0].strip() == ""
+    assert sampling.decode_completions(tok, ids, mask, torch.tensor([False, False]))[0] == ""
     rewards = common.call_reward_fn(world.gold_reward, ["POST: alice bought the bike . TL;DR:"] * 2, ["", " alice ."])
     assert torch.isfinite(rewards).all()
 

@@ -97,6 +97,10 @@ def test_estimate_memory_command_line(qwen15_config):
     assert tables["dpo"]["reference model"] == 0  # log-probs precomputed by default
     assert tables["grpo"]["reference model"] == pytest.approx(2.875, abs=0.01)  # beta 0.04
     assert tables["ppo"]["critic weights"] > 2.8 and tables["ppo"]["reward model"] > 2.8
+    # a model that is not the embedded world's gets the pretrained (TRL) defaults; --batch_size 2 was passed
+    assert "grpo: defaults for a pretrained model: learning_rate 1e-06, temperature 1, max_completion_length 256, " \
+           "batch_size 2, gradient_accumulation_steps 8" in procs["grpo"].stdout
+    assert "x (512+256) tokens" in procs["grpo"].stdout
     assert not os.path.exists(os.path.join(qwen15_config, "model.safetensors"))
 
 

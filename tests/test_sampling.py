@@ -130,4 +130,28 @@ def test_reward_completions_take_trls_form():
     """Text prompts get the text; conversational prompts one assistant message (TRL's form)."""
     conversation = [{"role": "user", "content": "hi"}]
     assert sampling.reward_completions(["POST: x TL;DR:"], [" alice ."]) == [" alice ."]
-    assert sampling.reward_completions([conversation], [" alice ."]) == [[{"role": "assistant", "content": "alice ."}]]
+    assert sampling.reward_completions([conversation], [" alice ."]) == [[{"role": "assistant", "content": " alice ."}]]
+
+
+# ------------------------------------------------------------------ stop tokens
+def test_stop_token_ids_are_the_union_of_eos_and_the_generation_config():
+    from transformers import GenerationConfig, Qwen2Config
+
+    tok = world.build_tokenizer()  # EOS 1
+    assert sampling.stop_token_ids(GenerationConfig(eos_token_id=7), tok) == [1, 7]
+    assert sampling.stop_token_ids(GenerationConfig(eos_token_id=[9, 1, 7]), tok) == [1, 7, 9]
+    assert sampling.stop_token_ids(GenerationConfig(), tok) == [1]
+    model = world.build_model(tok, hidden_size=32, num_layers=1)
+    model.generation_config.eos_token_id = [1, 8]
+    assert sampling.stop_token_ids(model, tok) == [1, 8]
+    assert sampling.stop_token_ids(Qwen2Config(eos_token_id=5), tok) == [1, 5]  # a config (a reward model's)
+
+
+def test_a_completion_ending_in_a_stop_token_gets_no_extra_eos():
+    tok = world.build_tokenizer()
+    stop = tok.convert_tokens_to_ids("<|assistant|>")  # stands for an end-of-turn token such as <|eot_id|>
+    ids, mask = common.encode_completions(tok, [" alice . <|assistant|>", " alice ."], stop_ids=[tok.eos_token_id, stop])
+    assert ids[0, :3].tolist() == [tok.convert_tokens_to_ids("alice"), tok.convert_tokens_to_ids("."), stop]
+    assert mask.sum(1).tolist() == [3, 3] and ids[1, 2] == tok.eos_token_id
+    ids, mask = common.encode_completions(tok, [" alice . <|assistant|>"])  # EOS alone stops: EOS is added
+    assert ids[0].tolist()[-2:] == [stop, tok.eos_token_id]

@@ -1,0 +1,41 @@
+"""What changes between the embedded world's tiny policy and a pretrained model: the defaults
+(common.apply_defaults: TRL's values for a pretrained model, the tuned ones for the embedded
+world, an explicit flag always wins) and the refusal of text the tokenizer cannot read.
+`grpo.py --model <Qwen2.5-1.5B config> --estimate_memory` is run by tests/test_memory.py, which
+checks its startup line."""
+
+import sys
+
+import pytest
+from transformers import Qwen2Config
+
+import common
+import grpo
+import world
+
+
+@pytest.fixture
+def qwen15_config(tmp_path):
+    """A folder holding only the config.json of Qwen2.5-1.5B (no weights, no tokenizer)."""
+    Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_the_embedded_policy_keeps_its_tuned_defaults_and_flags_win(monkeypatch, tiny_qwen, qwen15_config):
+    assert common.is_embedded_policy("") and common.is_embedded_policy(tiny_qwen)
+    assert not common.is_embedded_policy(qwen15_config) and not common.is_embedded_policy("Qwen/Qwen2.5-1.5B")
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--model", tiny_qwen, "--temperature", "0.9"])
+    args = common.apply_defaults(common.parse_args(grpo.Args), grpo.EMBEDDED_DEFAULTS)
+    assert (args.learning_rate, args.max_completion_length, args.temperature) == (5e-5, 32, 0.9)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--model", qwen15_config, "--learning_rate", "3e-6"])
+    args = common.apply_defaults(common.parse_args(grpo.Args), grpo.EMBEDDED_DEFAULTS)
+    assert (args.learning_rate, args.max_completion_length, args.temperature) == (3e-6, 256, 1.0)
+    assert (args.batch_size, args.gradient_accumulation_steps) == (1, 8)  # 8 completions per micro-batch, as TRL
+
+
+def test_text_the_tokenizer_cannot_read_is_refused():
+    tok = world.build_tokenizer()
+    common.check_readable(tok, ["POST: alice bought the bike .\nTL;DR:"], "runs/sft", "embedded")  # its own words
+    with pytest.raises(SystemExit, match="unknown .* to the tokenizer of runs/sft .*--model is probably missing"):
+        common.check_readable(tok, ["What is 10 plus 4? ", "What is 3 plus 5? "], "runs/sft", "math.jsonl")
