@@ -15,11 +15,21 @@ number here comes with a 95% confidence interval:
   reported on FastChat's Chatbot Arena scale: Elo_i = 1000 + 400 log10(p_i / p_first), so the
   first policy is the anchor at 1000 and 400 points are 10:1 odds; CIs from the same bootstrap;
 - per policy: mean judge score +- CI (judges that give scores) and mean length in words, because
-  length is the usual confound of judged win rates.
+  length is the usual confound of judged win rates;
+- with a *verifier* as the judge (a reward function whose every score is 0 or 1, such as the
+  arithmetic world's `arith_strict`): the mean score is the accuracy (pass@1 of greedy
+  decoding), the word count is left out, and with --num_samples n each policy also samples n
+  completions per prompt at --temperature for pass@k, the chance that at least one of k
+  samples is right, by the unbiased estimator of Chen et al. 2021 (Codex, Eq. 1):
+      pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k),  c = correct samples of n,
+  with a bootstrap CI over prompts like every other number; --group_by COLUMN adds the
+  accuracy per value of a dataset column (e.g. `level`, `carry_trap` on the arithmetic world).
 
 Judges (--judge):
 - `gold`: a reward function, higher wins: by default the embedded world's gold judge (which
-  needs the `post` column, as in the embedded test split), or --reward_fn file.py:fn;
+  needs the `post` column, as in the embedded test split), or --reward_fn arith_strict /
+  arith_lenient (the arithmetic world's verifiers) or file.py:fn; reports name the judge
+  after the function;
 - `rm:PATH`: a reward model saved by reward.py, higher wins;
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
@@ -40,8 +50,11 @@ Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
+    python eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict \
+        --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith        # accuracy, pass@k
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -84,7 +97,10 @@ class Args(TrainArgs):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (with --do_sample; 0: off)."})
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders)."})
-    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge) or file.py:function, called as fn(prompts, completions, **columns)."})
+    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called as fn(prompts, completions, **columns)."})
+    num_samples: int = field(default=0, metadata={"help": "n: completions sampled per prompt at --temperature for pass@k, with a verifier as the judge (0: off)."})
+    pass_k: str = field(default="", metadata={"help": "Comma-separated k for pass@k, each at most --num_samples (default: 1, 2, 4, ... up to --num_samples)."})
+    group_by: str = field(default="", metadata={"help": "A dataset column: also report the score per value of it (e.g. level, carry_trap on embedded:arith)."})
     num_bootstrap: int = field(default=1000, metadata={"help": "Bootstrap resamples of the prompts for every confidence interval."})
 
 
@@ -110,6 +126,41 @@ def mean_ci(values, idx):
     values = np.asarray(values, float)
     lo, hi = percentile_ci(values[idx].mean(1))  # (B,) resampled means
     return float(values.mean()), float(lo), float(hi)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one prompt from n samples with c correct (Chen et al. 2021, Eq. 1):
+    1 - C(n - c, k) / C(n, k), as a running product (no huge binomials)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_at_k_stats(correct, ks, idx):
+    """pass@k for each k from per-prompt correct counts (n,) of num_samples each, with CIs."""
+    correct = np.asarray(correct)  # (prompts, num_samples) of 0 / 1
+    n = correct.shape[1]
+    out = {}
+    for k in ks:
+        per_prompt = [pass_at_k(n, int(c), k) for c in correct.sum(1)]  # (prompts,)
+        value, lo, hi = mean_ci(per_prompt, idx)
+        out[f"pass@{k}"] = {"value": value, "ci_low": lo, "ci_high": hi}
+    return out
+
+
+def is_binary(values):
+    return bool(np.isin(np.asarray(values, float), (0.0, 1.0)).all())
+
+
+def group_stats(values, groups, num_bootstrap, seed):
+    """Mean of per-prompt values within each value of a dataset column, each with its own
+    bootstrap CI over that group's prompts."""
+    values, out = np.asarray(values, float), {}
+    for g in sorted(set(groups), key=str):
+        sub = values[[i for i, x in enumerate(groups) if x == g]]
+        value, lo, hi = mean_ci(sub, bootstrap_indices(len(sub), num_bootstrap, seed))
+        out[str(g)] = {"score": value, "ci_low": lo, "ci_high": hi, "n": len(sub)}
+    return out
 
 
 def win_rate_stats(outcomes, idx):
@@ -283,15 +334,35 @@ def generate_responses(path, name, raw_prompts, args):
         return out["responses"], out["truncated"]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                               args.eval_batch_size, **sampling)
+                                               args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     common.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
                                "truncated": truncated})
     print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
     return responses, truncated
+
+
+def pass_ks(args):
+    """--pass_k as a list of ints, each in 1..--num_samples (default 1, 2, 4, ... up to it)."""
+    if not args.pass_k:
+        return sorted({2 ** i for i in range(args.num_samples.bit_length()) if 2 ** i <= args.num_samples} | {args.num_samples})
+    try:
+        ks = sorted({int(k) for k in args.pass_k.split(",")})
+    except ValueError:
+        common.fail(f"--pass_k {args.pass_k!r}: expected comma-separated integers, e.g. 1,4,16.")
+    if ks[0] < 1 or ks[-1] > args.num_samples:
+        common.fail(f"--pass_k {args.pass_k}: every k must be between 1 and --num_samples {args.num_samples}.")
+    return ks
+
+
+def judge_name(kind, args):
+    """The judge as reports name it: a reward function by its own name, else the --judge spec."""
+    if kind != "gold":
+        return args.judge
+    return "gold" if args.reward_fn == "gold" else getattr(common.load_reward_fn(args.reward_fn), "__name__", args.reward_fn)
 
 
 def parse_judge(spec):
@@ -331,11 +402,14 @@ def markdown_report(results, names, has_reference):
         r = by_pair.get((a, b))
         return "" if r is None else fmt_ci(r["win_rate"], r["ci_low"], r["ci_high"]) + (" *" if r["significant"] else "")
 
-    score_name = {"gold": "gold score" if s["reward_fn"] == "gold" else "reward", "rm": "reward", "llm": None}[s["judge"].split(":")[0]]
+    kind = s["judge"].split(":")[0]
+    fn_score = "gold score" if s["reward_fn"] == "gold" else "accuracy (greedy)" if s["verifier"] else s["judge_name"]
+    score_name = {"gold": fn_score, "rm": "reward", "llm": None}[kind]
+    words = not s["verifier"]  # word counts say nothing about an exact check
     head = ["policy", "Elo (95% CI)", f"win rate vs {anchor} (95% CI)"]
     head += ["win rate vs reference (95% CI)"] if has_reference else []
     head += [f"{score_name} (95% CI)"] if score_name else []
-    head += ["mean words"]
+    head += ["mean words"] if words else []
     counts = "gold_counts" in results["policies"][anchor]  # the embedded gold judge: its terms per summary
     head += ["facts missed", "unsupported clauses"] if counts else []
     rows = []
@@ -344,12 +418,12 @@ def markdown_report(results, names, has_reference):
         row = [name, fmt_ci(e["elo"], e["ci_low"], e["ci_high"], 0), cell(name, anchor) if name != anchor else "-"]
         row += [cell(name, REFERENCE)] if has_reference else []
         row += [fmt_ci(p["score"], p["score_ci_low"], p["score_ci_high"], 3)] if score_name else []
-        rows.append(row + [f"{p['mean_length']:.1f}"] + _counts(p, counts))
+        rows.append(row + ([f"{p['mean_length']:.1f}"] if words else []) + _counts(p, counts))
     if has_reference:
         ref = results["reference"]
         row = [REFERENCE, "-", "-", "-"] + ([fmt_ci(ref["score"], ref["score_ci_low"], ref["score_ci_high"], 3)] if score_name else [])
-        rows.append(row + [f"{ref['mean_length']:.1f}"] + _counts(ref, counts))
-    lines = [f"# eval: judge {s['judge']}" + (f" ({s['reward_fn']})" if s["judge"] == "gold" else ""), "",
+        rows.append(row + ([f"{ref['mean_length']:.1f}"] if words else []) + _counts(ref, counts))
+    lines = [f"# eval: judge {s['judge_name']}", "",
              f"{s['num_prompts']} prompts from {s['dataset']}, {'sampled' if s['do_sample'] else 'greedy'}, "
              f"{s['max_completion_length']} new tokens at most; 95% CIs from {s['num_bootstrap']} paired bootstrap "
              f"resamples of the prompts (seed {s['seed']}). Win rate: a's wins over b, ties count half; "
@@ -360,6 +434,23 @@ def markdown_report(results, names, has_reference):
               "|---|---|---|---|---|---|"]
     lines += [f"| {r['policy_a']} | {r['policy_b']} | {r['wins']} | {r['ties']} | {r['losses']} | "
               f"{cell(r['policy_a'], r['policy_b'])} |" for r in results["pairwise"]]
+    if s["num_samples"]:
+        ks = [f"pass@{k}" for k in s["pass_k"]]
+        lines += ["", f"pass@k: {s['num_samples']} samples per prompt at temperature {s['temperature']} (top_p {s['top_p']}, "
+                  f"top_k {s['top_k']}), unbiased estimator (Chen et al. 2021), 95% CIs from the same bootstrap.", "",
+                  "| policy | accuracy (greedy) | " + " | ".join(ks) + " |", "|" + "---|" * (len(ks) + 2)]
+        for name in names:
+            p = results["policies"][name]
+            lines.append(f"| {name} | {fmt_ci(p['score'], p['score_ci_low'], p['score_ci_high'], 3)} | " + " | ".join(
+                fmt_ci(p["pass_at_k"][k]["value"], p["pass_at_k"][k]["ci_low"], p["pass_at_k"][k]["ci_high"], 3) for k in ks) + " |")
+    if s["group_by"] and score_name:
+        groups = list(results["policies"][anchor]["by_group"])
+        lines += ["", f"{score_name} by {s['group_by']} (95% CI; prompts per group in brackets):", "",
+                  "| policy | " + " | ".join(f"{s['group_by']} = {g} ({results['policies'][anchor]['by_group'][g]['n']})"
+                                           for g in groups) + " |", "|" + "---|" * (len(groups) + 1)]
+        for name in names + ([REFERENCE] if has_reference else []):
+            by = (results["reference"] if name == REFERENCE else results["policies"][name])["by_group"]
+            lines.append(f"| {name} | " + " | ".join(fmt_ci(by[g]["score"], by[g]["ci_low"], by[g]["ci_high"], 3) for g in groups) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -401,9 +492,12 @@ def main():
         common.fail("eval.py takes the policies as arguments: python eval.py runs/sft runs/dpo [--flags].")
     if not args.policies:
         common.fail("no policies to compare: python eval.py runs/sft runs/ppo runs/dpo runs/grpo [--flags].")
-    if args.num_bootstrap < 1 or args.num_prompts < 0:
-        common.fail("--num_bootstrap must be at least 1 and --num_prompts at least 0.")
+    if args.num_bootstrap < 1 or args.num_prompts < 0 or args.num_samples < 0:
+        common.fail("--num_bootstrap must be at least 1, --num_prompts and --num_samples at least 0.")
     kind, judge_arg = parse_judge(args.judge)
+    ks = pass_ks(args) if args.num_samples else []
+    if args.num_samples and kind != "gold":
+        common.fail("--num_samples (pass@k) needs a verifier as the judge: --judge gold --reward_fn arith_strict (or file.py:fn returning 0 or 1).")
     if kind == "gold" and args.reward_fn != "gold":
         common.load_reward_fn(args.reward_fn)  # fail now, not after generating
     for path in args.policies + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
@@ -415,6 +509,9 @@ def main():
     # ---- data: prompts, optional references, and the other columns for reward functions
     if args.dataset == common.EMBEDDED:
         ds = common.embedded_world()["test"]  # seed 0, as common.gold_eval
+        split = "test split"
+    elif args.dataset.startswith(common.ARITH):
+        ds = common.arith_split(args.dataset, "test")  # seed 0, as the summarization world
         split = "test split"
     else:
         ds = common.load_data(args.dataset, args.dataset_split)
@@ -432,11 +529,13 @@ def main():
         common.check_text(ds, [args.reference_column], args.dataset)
     if kind == "gold" and args.reward_fn == "gold" and "post" not in columns:
         common.fail(f"--judge gold with the embedded gold judge needs a 'post' column, which {common.dataset_name(args.dataset)} "
-                    "lacks; pass --reward_fn file.py:fn, --judge rm:PATH or --judge llm:MODEL.")
+                    "lacks; pass --reward_fn file.py:fn (or arith_strict on embedded:arith), --judge rm:PATH or --judge llm:MODEL.")
+    if args.group_by:
+        common.require_columns(ds, [args.group_by], args.dataset, "Pass a column of the dataset to --group_by.")
     if len(args.policies) < 2 and not has_reference:
         common.fail("nothing to compare: pass two or more policies, or a dataset with a --reference_column.")
     n = len(raw_prompts)
-    print(f"eval: {len(args.policies)} policies on {n} prompts of {common.dataset_name(args.dataset)} ({split}), judge {args.judge}")
+    print(f"eval: {len(args.policies)} policies on {n} prompts of {common.dataset_name(args.dataset)} ({split}), judge {judge_name(kind, args)}")
 
     # ---- generate: the same prompts, settings and seed for every policy
     names = policy_names(args.policies)
@@ -473,6 +572,25 @@ def main():
     for a, b in pairs:  # identical responses tie, whatever the judge
         same = np.array([x == y for x, y in zip(responses[a], responses[b])])
         outcomes[a, b] = np.where(same, 0.5, outcomes[a, b])
+    # a reward function whose every score is 0 or 1 is a verifier: its mean score is an accuracy
+    verifier = kind == "gold" and args.reward_fn != "gold" and all(is_binary(v) for v in scores.values())
+
+    # ---- pass@k: n sampled completions per prompt and policy, each checked by the verifier
+    correct = {}
+    if args.num_samples:
+        if not verifier:
+            common.fail(f"--num_samples (pass@k) needs a verifier: --reward_fn {args.reward_fn} gave scores other than 0 "
+                        "and 1; pass a reward function that returns 1 for a correct completion and 0 otherwise.")
+        fn = common.load_reward_fn(args.reward_fn)
+        repeat = [i for i in range(n) for _ in range(args.num_samples)]  # prompt i's samples are rows i*n_s..
+        sample_prompts = [raw_prompts[i] for i in repeat]
+        sample_columns = {c: [v[i] for i in repeat] for c, v in columns.items()}
+        for path, name in zip(args.policies, names):
+            texts, _ = generate_responses(path, name, sample_prompts, dataclasses.replace(args, do_sample=True))
+            sample_scores = common.call_reward_fn(fn, sample_prompts, texts, sample_columns).double().numpy()
+            if not is_binary(sample_scores):
+                common.fail(f"--reward_fn {args.reward_fn} gave a sampled completion a score other than 0 or 1; pass@k needs a verifier.")
+            correct[name] = sample_scores.reshape(n, args.num_samples)  # (prompts, n_s)
 
     # ---- statistics: one set of bootstrap resamples of the prompts for every number
     idx = bootstrap_indices(n, args.num_bootstrap, args.seed)  # (B, n)
@@ -490,15 +608,22 @@ def main():
         row = {}
         if scores is not None:
             row["score"], row["score_ci_low"], row["score_ci_high"] = mean_ci(scores[name], idx)
-        row["mean_length"] = float(np.mean([len(t.split()) for t in responses[name]]))  # words
+        if not verifier:  # a length confound of win rates; nothing to say about an exact check
+            row["mean_length"] = float(np.mean([len(t.split()) for t in responses[name]]))  # words
+        if name in correct:
+            row["pass_at_k"] = pass_at_k_stats(correct[name], ks, idx)
+        if args.group_by and scores is not None:
+            row["by_group"] = group_stats(scores[name], ds[args.group_by], args.num_bootstrap, args.seed)
         if kind == "gold" and args.reward_fn == "gold":  # the embedded judge's terms: what went wrong, per summary
             counts = [world.gold_counts(post, t) for post, t in zip(columns["post"], responses[name])]
             row["gold_counts"] = {k: float(np.mean([c[k] for c in counts])) for k in ("missed", "unsupported", "repeated", "excess")}
         return row
 
     results = {
-        "settings": {"judge": args.judge, "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
-                     "num_prompts": n, "num_bootstrap": args.num_bootstrap, **generation_settings(args)},
+        "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
+                     "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
+                     "num_prompts": n, "num_bootstrap": args.num_bootstrap, **generation_settings(args),
+                     "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
         "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i])}
                 for i, name in enumerate(names)},
@@ -525,10 +650,10 @@ def main():
             f.write(json.dumps({"prompt_id": i, "prompt": raw_prompts[i], "responses": {k_: v[i] for k_, v in responses.items()}}) + "\n")
     plot_intervals(os.path.join(out, "win_rates.png"), [f"{r['policy_a']} vs {r['policy_b']}" for r in pairwise],
                    [r["win_rate"] for r in pairwise], [r["ci_low"] for r in pairwise], [r["ci_high"] for r in pairwise],
-                   "win rate of the first over the second (95% CI)", 0.5, f"Pairwise win rates, judge {args.judge}",
+                   "win rate of the first over the second (95% CI)", 0.5, f"Pairwise win rates, judge {results['settings']['judge_name']}",
                    xlim=(-0.03, 1.03))
     plot_intervals(os.path.join(out, "elo.png"), names, elo, elo_lo, elo_hi,
-                   f"Bradley-Terry Elo (95% CI), {names[0]} = 1000", 1000, f"Elo, judge {args.judge}")
+                   f"Bradley-Terry Elo (95% CI), {names[0]} = 1000", 1000, f"Elo, judge {results['settings']['judge_name']}")
     print(f"eval: saved results.json, results.md, judgments.jsonl, generations.jsonl, win_rates.png, elo.png to {out}\n")
     print(report)
 
