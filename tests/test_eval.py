@@ -199,3 +199,29 @@ def test_end_to_end(tiny_folders):
     assert "score" not in llm_results["policies"]["pi0"] and "gold_counts" not in llm_results["policies"]["pi0"]
     gens = [json.loads(line) for line in open(out_llm / "generations.jsonl")]
     assert gens == read_jsonl(out / "generations.jsonl")
+
+
+# ---------------------------------------------------------------- pass@k
+def test_pass_at_k_matches_counting_every_subset():
+    from itertools import combinations
+    from math import comb
+
+    for n, c, k in [(5, 0, 1), (5, 2, 1), (5, 2, 2), (5, 2, 4), (6, 3, 3), (6, 6, 2), (8, 1, 8), (4, 3, 2)]:
+        samples = [1] * c + [0] * (n - c)
+        subsets = list(combinations(range(n), k))  # every way to draw k of the n samples
+        direct = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+        assert ev.pass_at_k(n, c, k) == pytest.approx(direct, abs=1e-12), (n, c, k)
+        assert ev.pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+    assert ev.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)  # pass@1 is the share of correct samples
+    assert ev.pass_at_k(200, 50, 100) == pytest.approx(1 - comb(150, 100) / comb(200, 100), abs=1e-12)  # no overflow
+
+
+def test_pass_at_k_stats_average_prompts_with_a_bootstrap_ci():
+    correct = np.array([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 1]])  # (prompts, samples)
+    idx = ev.bootstrap_indices(4, 500, seed=0)
+    stats = ev.pass_at_k_stats(correct, [1, 2, 4], idx)
+    assert stats["pass@1"]["value"] == pytest.approx((0.25 + 1 + 0 + 0.5) / 4)
+    assert stats["pass@2"]["value"] == pytest.approx((0.5 + 1 + 0 + (1 - 1 / 6)) / 4)
+    assert stats["pass@4"]["value"] == pytest.approx(3 / 4)
+    for s in stats.values():
+        assert s["ci_low"] <= s["value"] <= s["ci_high"] and s["ci_low"] < s["ci_high"]
