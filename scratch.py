@@ -8,7 +8,9 @@ for a user's own data. Two tokenizers, both saved as one `tokenizer.json`:
   built as a byte-level BPE without merges, with Qwen2's own normaliser, pre-tokenizer and
   decoder. transformers 5's `AutoTokenizer` loads any `qwen2` folder as `Qwen2Tokenizer`, which
   rebuilds exactly these parts from the saved vocabulary, so plain
-  `AutoTokenizer.from_pretrained(folder)` loads it exactly as saved;
+  `AutoTokenizer.from_pretrained(folder)` loads it exactly as saved. Like Qwen2's, its BPE has
+  no unknown token: a character absent from the fitted text is dropped when encoding (the
+  arithmetic world's splits share their 16 characters; fit a user dataset on all of its text);
 - **word**: one token per whitespace-separated word (WordLevel, unknown words -> `<unk>`).
   `Qwen2Tokenizer` cannot express it, so `AutoTokenizer` would rebuild it wrongly for a qwen2
   folder: load it with `common.load_tokenizer` (or `TokenizersBackend.from_pretrained`), as every
