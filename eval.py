@@ -137,7 +137,8 @@ def pass_at_k(n, c, k):
 
 
 def pass_at_k_stats(correct, ks, idx):
-    """pass@k for each k from per-prompt correct counts (n,) of num_samples each, with CIs."""
+    """pass@k for each k, averaged over prompts, with its CI, from the verifier's 0/1 score of
+    every sample: correct (prompts, num_samples)."""
     correct = np.asarray(correct)  # (prompts, num_samples) of 0 / 1
     n = correct.shape[1]
     out = {}
@@ -436,8 +437,8 @@ def markdown_report(results, names, has_reference):
               f"{cell(r['policy_a'], r['policy_b'])} |" for r in results["pairwise"]]
     if s["num_samples"]:
         ks = [f"pass@{k}" for k in s["pass_k"]]
-        lines += ["", f"pass@k: {s['num_samples']} samples per prompt at temperature {s['temperature']} (top_p {s['top_p']}, "
-                  f"top_k {s['top_k']}), unbiased estimator (Chen et al. 2021), 95% CIs from the same bootstrap.", "",
+        lines += ["", (f"pass@k: {s['num_samples']} samples per prompt at temperature {s['temperature']} (top_p {s['top_p']}, "
+                       f"top_k {s['top_k']}), unbiased estimator (Chen et al. 2021), 95% CIs from the same bootstrap."), "",
                   "| policy | accuracy (greedy) | " + " | ".join(ks) + " |", "|" + "---|" * (len(ks) + 2)]
         for name in names:
             p = results["policies"][name]

@@ -122,7 +122,7 @@ def _text(completion):
 
 def strict_answer(text):
     """The answer after the last "A:", if all that follows it is one number; else None."""
-    head, sep, tail = text.rpartition("A:")
+    _, sep, tail = text.rpartition("A:")
     m = _FINAL.fullmatch(sep + tail) if sep else None
     return int(m.group(1)) if m else None
 
