@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-rlvr test clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -20,6 +20,15 @@ demo: install
 	$(PYTHON) grpo.py
 	$(PYTHON) grpo.py --reward_model runs/reward --output_dir runs/grpo_rm
 	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo runs/grpo_rm
+
+# RLVR on the arithmetic world (world_arith.py): SFT from scratch on noisy worked solutions, then
+# GRPO with the exact-answer verifier, then accuracy and pass@k (strict and lenient checks). Not
+# part of `demo`; the README ("The arithmetic world") gives the times and the numbers.
+demo-rlvr: install
+	$(PYTHON) sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith
+	$(PYTHON) grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith
+	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith
+	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -23,10 +23,12 @@ from tqdm.auto import tqdm
 import parallel
 import sampling
 import world
+import world_arith
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
+ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
 
 
 # ============================================================================ arguments
@@ -36,7 +38,7 @@ class TrainArgs:
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
-    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
+    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset to train on (Hub datasets and folders)."})
     output_dir: str = field(default="", metadata={"help": "Where metrics.jsonl, checkpoints, summary.json and the final model go (default: runs/<script>)."})
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})
@@ -95,12 +97,18 @@ def parse_args(cls):
 
 
 def is_embedded_policy(model):
-    """Whether --model is the embedded world's tiny policy: sft.py's from-scratch model (no
-    --model) or a folder whose tokenizer is the world's word-level one (runs/sft and everything
-    trained from it). Anything else, a Hub id or a folder with another tokenizer or none (a bare
-    config.json), is a pretrained model."""
+    """Whether --model is one of the embedded worlds' tiny policies: sft.py's from-scratch model
+    (no --model), a folder whose config says `from_scratch` (scratch.build_model writes it: the
+    arithmetic world's runs/sft_arith and everything trained from it), or a folder whose tokenizer
+    is the TL;DR world's word-level one (runs/sft of earlier versions). Anything else, a Hub id or
+    a folder with another tokenizer or none (a bare config.json), is a pretrained model."""
     if model == "":
         return True
+    config = os.path.join(model, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            if json.load(f).get("from_scratch"):
+                return True
     path = os.path.join(model, "tokenizer.json")
     if not os.path.isfile(path):
         return False
@@ -347,6 +355,8 @@ def training_data(args, world_split):
     otherwise load_data(--dataset, --dataset_split)."""
     if args.dataset == EMBEDDED:
         return embedded_world(args.seed)[world_split]
+    if args.dataset.startswith(ARITH):
+        return arith_split(args.dataset, world_split, args.seed)
     return load_data(args.dataset, args.dataset_split)
 
 
@@ -530,12 +540,15 @@ def _pad(seqs, pad_id, left):
 # ============================================================================ rewards
 def load_reward_fn(spec):
     """`file.py:function` -> the function, called as fn(prompts, completions, **columns) -> floats
-    (TRL's reward-function signature); `gold` -> the embedded world's gold judge."""
+    (TRL's reward-function signature); `gold` -> the embedded world's gold judge; `arith_strict`,
+    `arith_lenient` -> the arithmetic world's verifiers."""
     if spec == "gold":
         return world.gold_reward
+    if spec in world_arith.VERIFIERS:
+        return world_arith.VERIFIERS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        fail(f"--reward_fn {spec!r}: expected file.py:function (or 'gold').")
+        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join(world_arith.VERIFIERS)}).")
     if not os.path.isfile(path):
         fail(f"--reward_fn {spec!r}: file {path} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
@@ -596,6 +609,22 @@ def embedded_world(seed=0):
     if seed not in _WORLD_CACHE:
         _WORLD_CACHE[seed] = world.build_world(seed)
     return _WORLD_CACHE[seed]
+
+
+def arith_split(spec, split, seed=0):
+    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS] (built once per process)."""
+    try:
+        levels = world_arith.parse_spec(spec)
+    except ValueError as e:
+        fail(str(e))
+    if levels is None:
+        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains) or {ARITH}:1,2 (both levels).")
+    if split not in ("sft", "rl", "test"):
+        fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only sft, rl, test): it is a world "
+             "for SFT and RL with verifiers, not for preference pairs.")
+    if (spec, seed) not in _WORLD_CACHE:
+        _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
+    return _WORLD_CACHE[spec, seed][split]
 
 
 def gold_eval(model, tokenizer, args, max_new_tokens=48, n=None):

@@ -23,11 +23,21 @@ With one run per method the two are equal and every number is what a prompt-only
   reported on FastChat's Chatbot Arena scale: Elo_i = 1000 + 400 log10(p_i / p_first), so the
   first policy is the anchor at 1000 and 400 points are 10:1 odds; CIs from the same bootstrap;
 - per policy: mean judge score +- CI (judges that give scores) and mean length in words, because
-  length is the usual confound of judged win rates.
+  length is the usual confound of judged win rates;
+- with a *verifier* as the judge (a reward function whose every score is 0 or 1, such as the
+  arithmetic world's `arith_strict`): the mean score is the accuracy (pass@1 of greedy
+  decoding), the word count is left out, and with --num_samples n each policy also samples n
+  completions per prompt at --temperature for pass@k, the chance that at least one of k
+  samples is right, by the unbiased estimator of Chen et al. 2021 (Codex, Eq. 1):
+      pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k),  c = correct samples of n,
+  with a bootstrap CI over prompts like every other number; --group_by COLUMN adds the
+  accuracy per value of a dataset column (e.g. `level`, `carry_trap` on the arithmetic world).
 
 Judges (--judge):
 - `gold`: a reward function, higher wins: by default the embedded world's gold judge (which
-  needs the `post` column, as in the embedded test split), or --reward_fn file.py:fn;
+  needs the `post` column, as in the embedded test split), or --reward_fn arith_strict /
+  arith_lenient (the arithmetic world's verifiers) or file.py:fn; reports name the judge
+  after the function;
 - `rm:PATH`: a reward model saved by reward.py, higher wins;
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
@@ -54,8 +64,11 @@ Run:
     python eval.py sft=runs/sft 'grpo=runs/seed*/grpo' 'mine=runs/seed*/my_grpo'   # methods over seeds
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
+    python eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict \
+        --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith        # accuracy, pass@k
 """
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -99,7 +112,10 @@ class Args(TrainArgs):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (with --do_sample; 0: off)."})
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders)."})
-    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge) or file.py:function, called as fn(prompts, completions, **columns)."})
+    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called as fn(prompts, completions, **columns)."})
+    num_samples: int = field(default=0, metadata={"help": "n: completions sampled per prompt at --temperature for pass@k, with a verifier as the judge (0: off)."})
+    pass_k: str = field(default="", metadata={"help": "Comma-separated k for pass@k, each at most --num_samples (default: 1, 2, 4, ... up to --num_samples)."})
+    group_by: str = field(default="", metadata={"help": "A dataset column: also report the score per value of it (e.g. level, carry_trap on embedded:arith)."})
     num_bootstrap: int = field(default=1000, metadata={"help": "Bootstrap resamples (of the prompts, and of each method's runs) for every confidence interval."})
     tie_margin: float = field(default=0.05, metadata={"help": "With --judge llm: a comparison whose position-swapped P(a is better) is within this of 0.5 is a tie (the judge has no preference)."})
 
@@ -189,6 +205,43 @@ def mean_cis(values, prompt_counts, run_counts, all_runs):
     lo, hi = percentile_ci(resampled_totals(values, prompt_counts, all_runs) / n)
     seed_lo, seed_hi = percentile_ci(resampled_totals(values, prompt_counts, run_counts) / n)
     return mean, float(lo), float(hi), float(seed_lo), float(seed_hi)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one prompt from n samples with c correct (Chen et al. 2021, Eq. 1):
+    1 - C(n - c, k) / C(n, k), as a running product (no huge binomials)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_at_k_stats(correct, ks, prompt_counts, run_counts, all_runs):
+    """pass@k for each k, averaged over a method's runs and prompts, with both CIs (mean_cis), from
+    the verifier's 0/1 score of every sample: correct (R, prompts, num_samples)."""
+    correct = np.asarray(correct)  # (R, prompts, num_samples) of 0 / 1
+    n = correct.shape[-1]
+    out = {}
+    for k in ks:
+        per_prompt = np.array([[pass_at_k(n, int(c), k) for c in run.sum(-1)] for run in correct])  # (R, prompts)
+        value, lo, hi, seed_lo, seed_hi = mean_cis(per_prompt, prompt_counts, run_counts, all_runs)
+        out[f"pass@{k}"] = {"value": value, "ci_low": lo, "ci_high": hi, "seed_ci_low": seed_lo, "seed_ci_high": seed_hi}
+    return out
+
+
+def is_binary(values):
+    return bool(np.isin(np.asarray(values, float), (0.0, 1.0)).all())
+
+
+def group_stats(values, groups, num_bootstrap, seed):
+    """Mean of per-prompt values (R, n) within each value of a dataset column, each with its own
+    bootstrap CI over that group's prompts (runs fixed)."""
+    values, out = np.asarray(values, float), {}
+    for g in sorted(set(groups), key=str):
+        sub = values[:, [i for i, x in enumerate(groups) if x == g]]  # (R, n_g)
+        counts, _, ones = bootstrap_plan(sub.shape[1], [sub.shape[0]], num_bootstrap, seed)
+        value, lo, hi, _, _ = mean_cis(sub, counts, ones, ones)
+        out[str(g)] = {"score": value, "ci_low": lo, "ci_high": hi, "n": sub.shape[1]}
+    return out
 
 
 def win_rate_stats(outcomes, prompt_counts, run_counts=None, all_runs=None):
@@ -419,6 +472,26 @@ def generate_responses(path, name, raw_prompts, args):
     return responses, truncated
 
 
+def pass_ks(args):
+    """--pass_k as a list of ints, each in 1..--num_samples (default 1, 2, 4, ... up to it)."""
+    if not args.pass_k:
+        return sorted({2 ** i for i in range(args.num_samples.bit_length()) if 2 ** i <= args.num_samples} | {args.num_samples})
+    try:
+        ks = sorted({int(k) for k in args.pass_k.split(",")})
+    except ValueError:
+        common.fail(f"--pass_k {args.pass_k!r}: expected comma-separated integers, e.g. 1,4,16.")
+    if ks[0] < 1 or ks[-1] > args.num_samples:
+        common.fail(f"--pass_k {args.pass_k}: every k must be between 1 and --num_samples {args.num_samples}.")
+    return ks
+
+
+def judge_name(kind, args):
+    """The judge as reports name it: a reward function by its own name, else the --judge spec."""
+    if kind != "gold":
+        return args.judge
+    return "gold" if args.reward_fn == "gold" else getattr(common.load_reward_fn(args.reward_fn), "__name__", args.reward_fn)
+
+
 def parse_judge(spec):
     """--judge -> (kind, argument)."""
     kind, _, arg = spec.partition(":")
@@ -472,11 +545,14 @@ def markdown_report(results, names, has_reference):
     def heading(title):
         return [f"{title} (95% CI)"] + ([f"{title}: seeds + prompts CI"] if multi else [])
 
-    score_name = {"gold": "gold score" if s["reward_fn"] == "gold" else "reward", "rm": "reward", "llm": None}[s["judge"].split(":")[0]]
+    kind = s["judge"].split(":")[0]
+    fn_score = "gold score" if s["reward_fn"] == "gold" else "accuracy (greedy)" if s["verifier"] else s["judge_name"]
+    score_name = {"gold": fn_score, "rm": "reward", "llm": None}[kind]
+    words = not s["verifier"]  # word counts say nothing about an exact check
     head = ["policy"] + (["runs"] if multi else []) + heading("Elo") + heading(f"win rate vs {anchor}")
     head += heading("win rate vs reference") if has_reference else []
     head += heading(score_name) if score_name else []
-    head += ["mean words"]
+    head += ["mean words"] if words else []
     counts = "gold_counts" in results["policies"][anchor]  # the embedded gold judge: its terms per summary
     head += ["facts missed", "unsupported clauses"] if counts else []
     rows = []
@@ -487,18 +563,18 @@ def markdown_report(results, names, has_reference):
         row += cell(name, anchor) if name != anchor else ["-"] * (1 + multi)
         row += cell(name, REFERENCE) if has_reference else []
         row += two(p["score"], p["score_ci_low"], p["score_ci_high"], p["score_seed_ci_low"], p["score_seed_ci_high"], 3) if score_name else []
-        rows.append(row + [f"{p['mean_length']:.1f}"] + _counts(p, counts))
+        rows.append(row + ([f"{p['mean_length']:.1f}"] if words else []) + _counts(p, counts))
     if has_reference:
         ref = results["reference"]
         row = [REFERENCE] + (["-"] if multi else []) + ["-"] * 3 * (1 + multi)
         row += two(ref["score"], ref["score_ci_low"], ref["score_ci_high"], ref["score_seed_ci_low"], ref["score_seed_ci_high"], 3) if score_name else []
-        rows.append(row + [f"{ref['mean_length']:.1f}"] + _counts(ref, counts))
+        rows.append(row + ([f"{ref['mean_length']:.1f}"] if words else []) + _counts(ref, counts))
     ci_text = (f"95% CIs from {s['num_bootstrap']} paired bootstrap resamples of the prompts (seed {s['seed']})"
                if not multi else
                f"95% CIs from {s['num_bootstrap']} bootstrap resamples (seed {s['seed']}): the first resamples the prompts "
                "only (paired, the runs fixed: how sure we are about *these* runs), the second each method's runs, then the "
                "prompts (two-level: how sure we are about the *method*, over training seeds)")
-    lines = [f"# eval: judge {s['judge']}" + (f" ({s['reward_fn']})" if s["judge"] == "gold" else ""), "",
+    lines = [f"# eval: judge {s['judge_name']}", "",
              f"{s['num_prompts']} prompts from {s['dataset']}, {'sampled' if s['do_sample'] else 'greedy'}, "
              f"{s['max_completion_length']} new tokens at most; {ci_text}. Win rate: a's wins over b, ties count half"
              + (f" (LLM judge: a tie when P(a better) is within {s['tie_margin']} of 0.5)" if s["judge"].startswith("llm") else "")
@@ -515,6 +591,23 @@ def markdown_report(results, names, has_reference):
                   "|---|---|---|" + ("---|" if score_name else "") + "---|"]
         lines += [f"| {run} | {r['method']} | {r['path']} | " + (f"{r['score']:.3f} | " if score_name else "")
                   + f"{r['mean_length']:.1f} |" for run, r in results["runs"].items()]
+    if s["num_samples"]:
+        ks = [f"pass@{k}" for k in s["pass_k"]]
+        lines += ["", (f"pass@k: {s['num_samples']} samples per prompt at temperature {s['temperature']} (top_p {s['top_p']}, "
+                       f"top_k {s['top_k']}), unbiased estimator (Chen et al. 2021), 95% CIs from the same bootstrap."), "",
+                  "| policy | accuracy (greedy) | " + " | ".join(ks) + " |", "|" + "---|" * (len(ks) + 2)]
+        for name in names:
+            p = results["policies"][name]
+            lines.append(f"| {name} | {fmt_ci(p['score'], p['score_ci_low'], p['score_ci_high'], 3)} | " + " | ".join(
+                fmt_ci(p["pass_at_k"][k]["value"], p["pass_at_k"][k]["ci_low"], p["pass_at_k"][k]["ci_high"], 3) for k in ks) + " |")
+    if s["group_by"] and score_name:
+        groups = list(results["policies"][anchor]["by_group"])
+        lines += ["", f"{score_name} by {s['group_by']} (95% CI; prompts per group in brackets):", "",
+                  "| policy | " + " | ".join(f"{s['group_by']} = {g} ({results['policies'][anchor]['by_group'][g]['n']})"
+                                           for g in groups) + " |", "|" + "---|" * (len(groups) + 1)]
+        for name in names + ([REFERENCE] if has_reference else []):
+            by = (results["reference"] if name == REFERENCE else results["policies"][name])["by_group"]
+            lines.append(f"| {name} | " + " | ".join(fmt_ci(by[g]["score"], by[g]["ci_low"], by[g]["ci_high"], 3) for g in groups) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -556,10 +649,14 @@ def main():
         common.fail("eval.py takes the policies as arguments: python eval.py runs/sft runs/dpo [--flags].")
     if not args.policies:
         common.fail("no policies to compare: python eval.py runs/sft runs/ppo runs/dpo runs/grpo [--flags].")
-    if args.num_bootstrap < 1 or args.num_prompts < 0 or not 0 <= args.tie_margin < 0.5:
-        common.fail("--num_bootstrap must be at least 1, --num_prompts at least 0 and --tie_margin in [0, 0.5).")
+    if args.num_bootstrap < 1 or args.num_prompts < 0 or args.num_samples < 0 or not 0 <= args.tie_margin < 0.5:
+        common.fail("--num_bootstrap must be at least 1, --num_prompts and --num_samples at least 0, "
+                    "and --tie_margin in [0, 0.5).")
     kind, judge_arg = parse_judge(args.judge)
     methods = parse_methods(args.policies)
+    ks = pass_ks(args) if args.num_samples else []
+    if args.num_samples and kind != "gold":
+        common.fail("--num_samples (pass@k) needs a verifier as the judge: --judge gold --reward_fn arith_strict (or file.py:fn returning 0 or 1).")
     if kind == "gold" and args.reward_fn != "gold":
         common.load_reward_fn(args.reward_fn)  # fail now, not after generating
     paths = [p for _, run_paths in methods for p in run_paths]
@@ -572,6 +669,9 @@ def main():
     # ---- data: prompts, optional references, and the other columns for reward functions
     if args.dataset == common.EMBEDDED:
         ds = common.embedded_world()["test"]  # seed 0, as common.gold_eval
+        split = "test split"
+    elif args.dataset.startswith(common.ARITH):
+        ds = common.arith_split(args.dataset, "test")  # seed 0, as the summarization world
         split = "test split"
     else:
         ds = common.load_data(args.dataset, args.dataset_split)
@@ -589,13 +689,15 @@ def main():
         common.check_text(ds, [args.reference_column], args.dataset)
     if kind == "gold" and args.reward_fn == "gold" and "post" not in columns:
         common.fail(f"--judge gold with the embedded gold judge needs a 'post' column, which {common.dataset_name(args.dataset)} "
-                    "lacks; pass --reward_fn file.py:fn, --judge rm:PATH or --judge llm:MODEL.")
+                    "lacks; pass --reward_fn file.py:fn (or arith_strict on embedded:arith), --judge rm:PATH or --judge llm:MODEL.")
+    if args.group_by:
+        common.require_columns(ds, [args.group_by], args.dataset, "Pass a column of the dataset to --group_by.")
     if len(methods) < 2 and not has_reference:
         common.fail("nothing to compare: pass two or more policies, or a dataset with a --reference_column.")
     n = len(raw_prompts)
     num_runs = sum(len(paths) for _, paths in methods)
     print(f"eval: {len(methods)} methods ({num_runs} runs) on {n} prompts of {common.dataset_name(args.dataset)} ({split}), "
-          f"judge {args.judge}")
+          f"judge {judge_name(kind, args)}")
 
     # ---- generate: the same prompts, settings and seed for every run of every method
     names = [name for name, _ in methods]
@@ -639,6 +741,27 @@ def main():
         outcomes[a, b] = np.where(same, 0.5, outcomes[a, b])
     # a method pair's outcomes: (R_a, R_b, n)
     method_outcomes = {(a, b): np.array([[outcomes[ra, rb] for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
+    # a reward function whose every score is 0 or 1 is a verifier: its mean score is an accuracy
+    verifier = kind == "gold" and args.reward_fn != "gold" and all(is_binary(v) for v in scores.values())
+
+    # ---- pass@k: n sampled completions per prompt and run, each checked by the verifier
+    correct = {}
+    if args.num_samples:
+        if not verifier:
+            common.fail(f"--num_samples (pass@k) needs a verifier: --reward_fn {args.reward_fn} gave scores other than 0 "
+                        "and 1; pass a reward function that returns 1 for a correct completion and 0 otherwise.")
+        fn = common.load_reward_fn(args.reward_fn)
+        repeat = [i for i in range(n) for _ in range(args.num_samples)]  # prompt i's samples are rows i*n_s..
+        sample_prompts = [raw_prompts[i] for i in repeat]
+        sample_columns = {c: [v[i] for i in repeat] for c, v in columns.items()}
+        for name, paths in methods:
+            for path, run in zip(paths, runs[name]):
+                texts, _ = generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
+                sample_scores = common.call_reward_fn(fn, sample_prompts, texts, sample_columns).double().numpy()
+                if not is_binary(sample_scores):
+                    common.fail(f"--reward_fn {args.reward_fn} gave a sampled completion a score other than 0 or 1; "
+                                "pass@k needs a verifier.")
+                correct[run] = sample_scores.reshape(n, args.num_samples)  # (prompts, n_s)
 
     # ---- statistics: one set of resamples for every number; prompts paired across all runs
     order = names + ([REFERENCE] if has_reference else [])
@@ -670,16 +793,23 @@ def main():
             values = np.array([scores[r] for r in runs[name]])  # (R, n)
             (row["score"], row["score_ci_low"], row["score_ci_high"], row["score_seed_ci_low"],
              row["score_seed_ci_high"]) = mean_cis(values, prompt_counts, [level[name][0]], [level[name][1]])
-        row["mean_length"] = float(np.mean([len(t.split()) for r in runs[name] for t in responses[r]]))  # words
+        if not verifier:  # a length confound of win rates; nothing to say about an exact check
+            row["mean_length"] = float(np.mean([len(t.split()) for r in runs[name] for t in responses[r]]))  # words
+        if all(r in correct for r in runs[name]):
+            row["pass_at_k"] = pass_at_k_stats([correct[r] for r in runs[name]], ks, prompt_counts, [level[name][0]],
+                                               [level[name][1]])
+        if args.group_by and scores is not None:
+            row["by_group"] = group_stats([scores[r] for r in runs[name]], ds[args.group_by], args.num_bootstrap, args.seed)
         if kind == "gold" and args.reward_fn == "gold":  # the embedded judge's terms: what went wrong, per summary
             counts = [world.gold_counts(post, responses[r][i]) for r in runs[name] for i, post in enumerate(columns["post"])]
             row["gold_counts"] = {k: float(np.mean([c[k] for c in counts])) for k in ("missed", "unsupported", "repeated", "excess")}
         return row
 
     results = {
-        "settings": {"judge": args.judge, "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
+        "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
+                     "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
-                     **generation_settings(args)},
+                     **generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
         "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i]),
                        "seed_ci_low": float(elo_seed_lo[i]), "seed_ci_high": float(elo_seed_hi[i])}
@@ -715,10 +845,10 @@ def main():
     ci = "seeds + prompts" if num_runs > len(methods) else "prompts"
     plot_intervals(os.path.join(out, "win_rates.png"), [f"{r['policy_a']} vs {r['policy_b']}" for r in pairwise],
                    [r["win_rate"] for r in pairwise], [r["seed_ci_low"] for r in pairwise], [r["seed_ci_high"] for r in pairwise],
-                   f"win rate of the first over the second (95% CI, {ci})", 0.5, f"Pairwise win rates, judge {args.judge}",
+                   f"win rate of the first over the second (95% CI, {ci})", 0.5, f"Pairwise win rates, judge {results['settings']['judge_name']}",
                    xlim=(-0.03, 1.03))
     plot_intervals(os.path.join(out, "elo.png"), names, elo, elo_seed_lo, elo_seed_hi,
-                   f"Bradley-Terry Elo (95% CI, {ci}), {names[0]} = 1000", 1000, f"Elo, judge {args.judge}")
+                   f"Bradley-Terry Elo (95% CI, {ci}), {names[0]} = 1000", 1000, f"Elo, judge {results['settings']['judge_name']}")
     print(f"eval: saved results.json, results.md, judgments.jsonl, generations.jsonl, win_rates.png, elo.png to {out}\n")
     print(report)
 

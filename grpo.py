@@ -16,7 +16,8 @@ and clip-higher) plus a per-token k3 estimate of KL(pi || pi_ref), weighted by b
     l_t  = -(s_t - beta kl_t), aggregated over tokens by --loss_type          (DeepSeekMath Eq. 3)
 
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
-default), a reward model saved by reward.py (`--reward_model runs/reward`), a user function
+default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
+a reward model saved by reward.py (`--reward_model runs/reward`), a user function
 `--reward_fn rewards.py:fn` called as fn(prompts, completions, **other_columns) -> list[float]
 (TRL's signature), or a weighted sum of several (`--reward_weights`).
 
@@ -47,6 +48,7 @@ Run:
                                                           # ... and log the samples' gold score (weight 0)
     python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
+    python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith
 """
 
 import os
@@ -172,7 +174,8 @@ def load_rewards(args):
     if not specs and not paths:  # no reward named: the verifier, which only knows the embedded world
         if args.dataset != common.EMBEDDED:
             common.fail(f"--dataset {args.dataset} needs a reward: pass --reward_fn file.py:function "
-                        "(fn(prompts, completions, **columns) -> list[float]) or --reward_model PATH.")
+                        "(fn(prompts, completions, **columns) -> list[float]), --reward_model PATH, or on "
+                        f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient).")
         specs = ["gold"]
     rewards = []
     for spec in specs:

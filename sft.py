@@ -5,14 +5,17 @@ out of the loss (TRL's `completion_only_loss`). The loss is the mean over comple
 the micro-batch, as in TRL.
 
 Departures from the paper and from TRL:
-- With no --model, a tiny Qwen2 is built from a config and trained *from scratch* on the
-  embedded TL;DR world (world.py); this is what the tests and `make demo` run.
+- With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
+  on the embedded TL;DR world (world.py) with its word vocabulary, which is what the tests and
+  `make demo` run; on any other --dataset (the arithmetic world, a .jsonl) with a character- or
+  word-level tokenizer fitted to the training text (--scratch_tokenizer).
 - `messages` rows train on the last assistant turn only (everything before it is the prompt).
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
 
 Run:
     python sft.py                                   # embedded world, from scratch -> runs/sft
+    python sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --output_dir runs/sft_arith
     python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara
 """
 
@@ -24,6 +27,7 @@ import common
 import memory
 import parallel
 import sampling
+import scratch
 import world
 from common import TrainArgs
 
@@ -35,11 +39,12 @@ EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warm
 @dataclass
 class Args(TrainArgs):
     # model and data
-    model: str = field(default="", metadata={"help": "Hub id or folder; empty: a tiny Qwen2 trained from scratch on the embedded world."})
+    model: str = field(default="", metadata={"help": "Hub id or folder; empty: a tiny Qwen2 trained from scratch on --dataset (scratch.py)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
-    hidden_size: int = field(default=192, metadata={"help": "From-scratch model only: hidden size of the tiny Qwen2."})
-    num_layers: int = field(default=2, metadata={"help": "From-scratch model only: number of layers of the tiny Qwen2."})
+    hidden_size: int = field(default=192, metadata={"help": "From-scratch model only (any --dataset): hidden size of the tiny Qwen2."})
+    num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
+    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
@@ -68,13 +73,20 @@ def main():
     common.set_seed(args.seed + parallel.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()
 
-    # ---- model and tokenizer
+    # ---- data, then the model and tokenizer (a from-scratch tokenizer is fitted to the data)
+    ds = common.training_data(args, "sft")
+    pairs = common.sft_pairs(ds, args.dataset)
     from_scratch = args.model == ""
     if from_scratch:
-        if args.dataset != common.EMBEDDED:
-            common.fail("a model trained from scratch only knows the embedded world's words; pass --model with --dataset.")
-        tokenizer = world.build_tokenizer()
-        model = world.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
+        common.check_choice("--scratch_tokenizer", args.scratch_tokenizer, ["", "char", "word"])
+        if args.dataset == common.EMBEDDED and not args.scratch_tokenizer:
+            tokenizer = world.build_tokenizer()  # the world's whole lexicon, not only the words its data uses
+        else:  # a tokenizer fitted to the training text: every character, or every word, it contains
+            if any(not isinstance(p, str) or not isinstance(c, str) for p, c in pairs):
+                common.fail("a from-scratch tokenizer has no chat template: pass prompt/completion as plain text, or --model.")
+            level = args.scratch_tokenizer or ("char" if args.dataset.startswith(common.ARITH) else "word")
+            tokenizer = scratch.fit_tokenizer([t for pair in pairs for t in pair], level)
+        model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
         model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
         if args.gradient_checkpointing:
             common.enable_checkpointing(model)
@@ -85,9 +97,7 @@ def main():
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
-    # ---- data: (prompt, completion) pairs rendered to text
-    ds = common.training_data(args, "sft")
-    pairs = common.sft_pairs(ds, args.dataset)
+    # ---- the (prompt, completion) pairs rendered to text
     prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
     completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]
     common.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)

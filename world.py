@@ -16,7 +16,7 @@ Reddit TL;DR + human labellers in Stiennon et al. 2020:
   difference at temperature `PREF_TEMPERATURE`, so labels are noisy, the way human labels are.
 
 Everything is plain text, so any tokenizer and model can train on it; `build_tokenizer` and
-`build_model` give the tiny word-level Qwen2 that the tests and `make demo` train from scratch.
+`build_model` (scratch.py) give the tiny word-level Qwen2 that the tests and `make demo` train from scratch.
 """
 
 import json
@@ -26,6 +26,9 @@ import random
 import re
 
 from datasets import Dataset
+
+import scratch
+from scratch import SPECIAL_TOKENS, build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
 
 # ---------------------------------------------------------------- lexicon
 PEOPLE = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar".split()
@@ -323,9 +326,6 @@ def probe_pairs(split, seed=0):
 
 
 # ---------------------------------------------------------------- tokenizer and tiny model
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-
-
 def vocabulary():
     words = set(PEOPLE + ACTIONS + OBJECTS + PLACES + ADJECTIVES)
     for text in FILLER + MENTIONS + FACT_TEMPLATES + ["yesterday today tonight on monday friday last week"]:
@@ -335,36 +335,5 @@ def vocabulary():
 
 
 def build_tokenizer():
-    """A word-level Hugging Face tokenizer for the world; pad and EOS are distinct tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        model_max_length=256, padding_side="right", clean_up_tokenization_spaces=False,
-    )
-
-
-def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):
-    """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    heads = max(2, hidden_size // 32)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads,
-        # every head has its own keys and values (Qwen2.5-1.5B shares 2 among 12): with shared
-        # KV heads the SFT policy copies facts wrongly far more often, and a reward model can't
-        # see such copy errors (`probe_pairs`); the README's Results give the measurements.
-        num_key_value_heads=heads,
-        max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, use_cache=True,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    """A word-level Hugging Face tokenizer for the world (scratch.py); pad and EOS are distinct tokens."""
+    return scratch.word_tokenizer(vocabulary())

@@ -358,3 +358,29 @@ def test_end_to_end_methods_of_several_runs(tiny_folders):
     assert p["score_seed_ci_high"] - p["score_seed_ci_low"] >= 0.9 * (p["score_ci_high"] - p["score_ci_low"])
     report = (out / "results.md").read_text()
     assert "seeds + prompts CI" in report and "| a/pi1 | a |" in report
+
+
+# ---------------------------------------------------------------- pass@k
+def test_pass_at_k_matches_counting_every_subset():
+    from itertools import combinations
+    from math import comb
+
+    for n, c, k in [(5, 0, 1), (5, 2, 1), (5, 2, 2), (5, 2, 4), (6, 3, 3), (6, 6, 2), (8, 1, 8), (4, 3, 2)]:
+        samples = [1] * c + [0] * (n - c)
+        subsets = list(combinations(range(n), k))  # every way to draw k of the n samples
+        direct = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+        assert ev.pass_at_k(n, c, k) == pytest.approx(direct, abs=1e-12), (n, c, k)
+        assert ev.pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+    assert ev.pass_at_k(5, 2, 1) == pytest.approx(2 / 5)  # pass@1 is the share of correct samples
+    assert ev.pass_at_k(200, 50, 100) == pytest.approx(1 - comb(150, 100) / comb(200, 100), abs=1e-12)  # no overflow
+
+
+def test_pass_at_k_stats_average_prompts_with_a_bootstrap_ci():
+    correct = np.array([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 1]])  # (prompts, samples)
+    prompt_counts, run_counts, all_runs = ev.bootstrap_plan(4, [1], 500, seed=0)
+    stats = ev.pass_at_k_stats(correct[None], [1, 2, 4], prompt_counts, run_counts, all_runs)  # one run
+    assert stats["pass@1"]["value"] == pytest.approx((0.25 + 1 + 0 + 0.5) / 4)
+    assert stats["pass@2"]["value"] == pytest.approx((0.5 + 1 + 0 + (1 - 1 / 6)) / 4)
+    assert stats["pass@4"]["value"] == pytest.approx(3 / 4)
+    for s in stats.values():
+        assert s["ci_low"] <= s["value"] <= s["ci_high"] and s["ci_low"] < s["ci_high"]

@@ -1,0 +1,103 @@
+"""The from-scratch builder: tokenizers fitted to a dataset, saved folders that load exactly as
+built (plain AutoTokenizer for the character level, the project's loader for both), a saved model
+that reloads with the same log-probs; and sft.py training one on the arithmetic world, which
+eval.py then scores with the verifier (accuracy, pass@k)."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_script
+
+import common
+import sampling
+import scratch
+import world
+import world_arith
+
+
+@pytest.fixture(scope="module")
+def arith():
+    return world_arith.build_world(seed=0, levels=(1, 2), sizes={"sft": 300, "rl": 10, "test": 50})
+
+
+def texts_of(ds):
+    return [t for row in ds for t in (row["prompt"], row.get("completion") or row.get("reference"))]
+
+
+def save(tmp_path, tokenizer, hidden_size=32):
+    model = scratch.build_model(tokenizer, hidden_size=hidden_size, num_layers=1)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return model
+
+
+def test_char_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path, arith):
+    from transformers import AutoTokenizer
+
+    tok = scratch.fit_tokenizer(texts_of(arith["sft"]), "char")
+    assert len(tok) == 3 + 16  # <pad> <eos> <unk> + "0-9 +=:AQ" and the space
+    save(tmp_path, tok)
+    auto = AutoTokenizer.from_pretrained(tmp_path)  # transformers 5 picks Qwen2Tokenizer for a qwen2 folder
+    ours = common.load_tokenizer(str(tmp_path))
+    texts = texts_of(arith["test"]) + [arith["test"][0]["prompt"] + arith["test"][0]["reference"]]
+    for t in (auto, ours):
+        assert (t.eos_token_id, t.pad_token_id, len(t)) == (tok.eos_token_id, tok.pad_token_id, len(tok))
+        assert [t(x)["input_ids"] for x in texts] == [tok(x)["input_ids"] for x in texts]
+    ids = tok(texts[-1])["input_ids"]
+    assert len(ids) == len(texts[-1])  # one token per character
+    assert auto.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == texts[-1]
+    # completions as the scripts encode and decode them
+    c_ids, c_mask = common.encode_completions(auto, [arith["test"][0]["reference"]])
+    assert sampling.decode_completions(auto, c_ids, c_mask) == [arith["test"][0]["reference"]]
+
+
+def test_word_tokenizer_fitted_to_a_dataset(tmp_path):
+    texts = ["POST: a cat sat . TL;DR:", " cat sat .", "Q: what ?", " nothing ."]
+    tok = scratch.fit_tokenizer(texts, "word")
+    assert tok.convert_ids_to_tokens(list(range(6, len(tok)))) == ["POST:", "a", "cat", "sat", ".", "TL;DR:", "Q:", "what", "?", "nothing"]
+    save(tmp_path, tok)
+    ours = common.load_tokenizer(str(tmp_path))  # plain AutoTokenizer would rebuild it as a byte-level BPE
+    assert [ours(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
+    assert ours("a dog")["input_ids"] == [tok.convert_tokens_to_ids("a"), tok.unk_token_id]
+    # the summarization world's tokenizer is this builder with the world's own vocabulary, unchanged
+    assert world.build_tokenizer().get_vocab() == scratch.word_tokenizer(world.vocabulary()).get_vocab()
+    assert world.build_tokenizer().convert_ids_to_tokens([0, 1, 6]) == ["<pad>", "<eos>", "!"]
+
+
+def test_saved_model_reloads_with_the_same_logprobs(tmp_path, arith):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = scratch.fit_tokenizer(texts_of(arith["sft"]), "char")
+    model = save(tmp_path, tok, hidden_size=64).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    rows = arith["sft"].select(range(4))
+
+    def logprobs(m, t):
+        p_ids, p_mask = common.encode_prompts(t, rows["prompt"])
+        c_ids, c_mask = common.encode_completions(t, rows["completion"])
+        with torch.no_grad():
+            return sampling.completion_logprobs(m, p_ids, p_mask, c_ids, c_mask)
+
+    assert torch.equal(logprobs(model, tok), logprobs(reloaded, auto))
+
+
+def test_sft_from_scratch_on_the_arithmetic_world_then_pass_at_k(tmp_path):
+    out = tmp_path / "sft_arith"
+    run_script("sft.py", "--dataset", "embedded:arith", "--hidden_size", "32", "--num_layers", "1", "--max_steps", "3",
+               "--batch_size", "8", "--output_dir", str(out))
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    assert len(common.load_tokenizer(str(out))) == 19  # fitted to the characters of the world
+    proc = run_script("eval.py", str(out), "--dataset", "embedded:arith", "--reward_fn", "arith_strict", "--num_prompts", "6",
+                      "--num_samples", "4", "--pass_k", "1,4", "--group_by", "carry_trap", "--num_bootstrap", "50",
+                      "--max_completion_length", "8", "--output_dir", str(tmp_path / "eval"),
+                      "--cache_dir", str(tmp_path / "cache"))
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["settings"]["judge_name"] == "arith_strict" and results["settings"]["verifier"]
+    p = results["policies"]["sft_arith"]
+    assert set(p["pass_at_k"]) == {"pass@1", "pass@4"} and "mean_length" not in p
+    assert results["reference"]["score"] == 1.0  # the references are right
+    assert "# eval: judge arith_strict" in proc.stdout and "mean words" not in proc.stdout and "| pass@1 | pass@4 |" in proc.stdout
+    cached = [json.loads(f.read_text()) for f in (tmp_path / "cache").glob("sft_arith-*.json")]
+    assert sorted(len(c["responses"]) for c in cached) == [6, 24]  # greedy, then 4 samples per prompt

@@ -1,0 +1,195 @@
+"""The arithmetic world: a seeded, synthetic reasoning task with exact verifiers, for RLVR.
+
+The second embedded world (`--dataset embedded:arith`), beside the summarization one (world.py).
+It plays the part of a math dataset with worked solutions and a final-answer checker:
+
+- a **problem** adds two-digit numbers: two at level 1 (`Q: 47+85=`), three at level 2
+  (`Q: 47+85+23=`, a multi-step chain);
+- the **scratchpad** adds in columns, units first, writing the carry into the next column, and
+  each intermediate total of a chain, then the answer:
+      Q: 47+85=     ->  " 7+5=12 4+8+1=13 A: 132"
+      Q: 47+85+23=  ->  " 7+5=12 4+8+1=13 =132 2+3=5 3+2=5 1+0=1 A: 155"
+- **demonstrations** come from a noisy demonstrator with two kinds of error:
+  * one *systematic* error: when a units column sums to 10 or 11 it drops the carry
+    (" 7+3=10 4+8=12 A: 120" for 47+83): the same mistake every time, so a policy that imitates
+    the demonstrations learns it too; 17% of level-1 problems have such a column;
+  * random *slips*: with probability SLIP_PROB = 0.2 one column's sum is off by one (and the
+    rest of the solution follows from it): noise, which an imitator averages away;
+  so 0.83 x 0.8 = 66% of level-1 demonstrations are right. The headroom this leaves: a perfect
+  imitator of the demonstrator's most likely output answers 83% of level-1 problems (all but
+  the carry ones), and a verifier reward can take it to 100% by fixing the carry;
+- two **verifiers** with TRL's reward-function signature fn(prompts, completions, **columns):
+  `arith_strict` (1 if the text after the last "A:" is exactly the `answer` column, else 0) and
+  `arith_lenient` (1 if the last number in the completion equals `answer`, else 0).
+
+The splits `sft` / `rl` / `test` hold disjoint problems. Every text is made of 16 characters, so
+the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python sft.py
+--dataset embedded:arith`).
+"""
+
+import random
+import re
+
+from datasets import Dataset
+
+SPEC = "embedded:arith"  # --dataset value; "embedded:arith:2" (chains) or "embedded:arith:1,2" (mixed levels)
+PROMPT_TEMPLATE = "Q: {question}="  # the completion is the scratchpad, " ... A: <answer>"
+NUMBERS_PER_LEVEL = {1: 2, 2: 3}  # level -> how many two-digit numbers are added
+SLIP_PROB = 0.2  # chance that a demonstration has one column off by one
+SPLIT_SIZES = {"sft": 5000, "rl": 2000, "test": 400}  # level 1 has 90 x 90 = 8100 problems in all
+
+
+def parse_spec(spec):
+    """--dataset embedded:arith[:LEVELS] -> the levels, e.g. (1,) or (1, 2); None if not this world."""
+    if spec != SPEC and not spec.startswith(SPEC + ":"):
+        return None
+    text = spec[len(SPEC) + 1:] or "1"
+    try:
+        levels = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        levels = ()
+    if not levels or any(level not in NUMBERS_PER_LEVEL for level in levels):
+        raise ValueError(f"--dataset {spec}: levels must be a comma-separated subset of "
+                         f"{', '.join(map(str, NUMBERS_PER_LEVEL))}, e.g. {SPEC}:1,2.")
+    return levels
+
+
+# ---------------------------------------------------------------- scratchpad
+def add_in_columns(x, y, drop_carry=False, slip=None):
+    """Column addition of x + y, units first: (steps, total as written).
+
+    `drop_carry`: the systematic error (a units sum of 10 or 11 carries nothing);
+    `slip`: (column, delta) adds delta to that column's sum (kept within 0..19).
+    """
+    dx, dy = _digits(x), _digits(y)
+    steps, out, carry = [], [], 0
+    for i in range(max(len(dx), len(dy))):
+        a, b = (dx[i] if i < len(dx) else 0), (dy[i] if i < len(dy) else 0)
+        s = a + b + carry
+        if slip is not None and slip[0] == i:
+            s = s + slip[1] if 0 <= s + slip[1] <= 19 else s - slip[1]
+        steps.append(f"{a}+{b}" + (f"+{carry}" if carry else "") + f"={s}")
+        carry = 0 if (i == 0 and drop_carry and s in (10, 11)) else s // 10
+        out.append(s % 10)
+    if carry:
+        out.append(carry)
+    return steps, int("".join(str(d) for d in reversed(out)))
+
+
+def _digits(n):
+    return [int(c) for c in reversed(str(n))]
+
+
+def scratchpad(numbers, drop_carry=False, slip=None):
+    """The completion for adding `numbers`: (text, answer as written). `slip`: (step, column,
+    delta); `drop_carry` as in add_in_columns, at every step."""
+    parts, total = [], numbers[0]
+    for k, y in enumerate(numbers[1:]):
+        steps, total = add_in_columns(total, y, drop_carry, slip[1:] if slip and slip[0] == k else None)
+        parts += steps + ([f"={total}"] if k < len(numbers) - 2 else [])  # intermediate totals of a chain
+    return " " + " ".join(parts) + f" A: {total}", total
+
+
+def has_carry_trap(numbers):
+    """Whether the demonstrator's systematic error applies: some step's units column sums to 10 or 11."""
+    total = numbers[0]
+    for y in numbers[1:]:
+        if total % 10 + y % 10 in (10, 11):
+            return True
+        total += y
+    return False
+
+
+def demonstrate(rng, numbers):
+    """The noisy demonstrator's completion: (text, answer as written, slipped)."""
+    slip = None
+    if rng.random() < SLIP_PROB:
+        step = rng.randrange(len(numbers) - 1)
+        width = len(str(sum(numbers[:step + 1])))  # columns of that step
+        slip = (step, rng.randrange(width), rng.choice([-1, 1]))
+    text, written = scratchpad(numbers, drop_carry=True, slip=slip)
+    return text, written, slip is not None
+
+
+# ---------------------------------------------------------------- verifiers
+_FINAL = re.compile(r"A:\s*(\d+)\s*")
+_NUMBER = re.compile(r"\d+")
+
+
+def _text(completion):
+    return completion if isinstance(completion, str) else completion[-1]["content"]  # TRL: text or messages
+
+
+def strict_answer(text):
+    """The answer after the last "A:", if all that follows it is one number; else None."""
+    _, sep, tail = text.rpartition("A:")
+    m = _FINAL.fullmatch(sep + tail) if sep else None
+    return int(m.group(1)) if m else None
+
+
+def lenient_answer(text):
+    """The last number anywhere in the text, or None."""
+    numbers = _NUMBER.findall(text)
+    return int(numbers[-1]) if numbers else None
+
+
+def arith_strict(prompts, completions, answer, **columns):
+    """1.0 when the text after the last "A:" is exactly the `answer` column's number, else 0.0."""
+    return [float(strict_answer(_text(c)) == int(a)) for c, a in zip(completions, answer)]
+
+
+def arith_lenient(prompts, completions, answer, **columns):
+    """1.0 when the last number in the completion equals the `answer` column, else 0.0."""
+    return [float(lenient_answer(_text(c)) == int(a)) for c, a in zip(completions, answer)]
+
+
+VERIFIERS = {"arith_strict": arith_strict, "arith_lenient": arith_lenient}  # --reward_fn names
+
+
+# ---------------------------------------------------------------- datasets
+def build_world(seed=0, levels=(1,), sizes=None):
+    """The world's splits as `datasets.Dataset`s in TRL's formats, every problem in one split only.
+
+    - `sft`:  prompt + completion (the noisy demonstrator), plus `answer` (the true sum),
+              `level`, `carry_trap` (the systematic error applies), `correct` (the demo's answer is);
+    - `rl`:   prompt + `answer` (what the verifiers read), `level`, `carry_trap`;
+    - `test`: prompt + `answer` + `reference` (the correct scratchpad), `level`, `carry_trap`.
+    """
+    sizes = {**SPLIT_SIZES, **(sizes or {})}
+    rng = random.Random(seed)
+    capacity = sum(90 ** NUMBERS_PER_LEVEL[level] for level in levels)
+    if sum(sizes.values()) > capacity:
+        raise ValueError(f"levels {levels} hold {capacity} distinct problems, fewer than the {sum(sizes.values())} asked for.")
+    seen = set()  # every problem is unique, so the splits are disjoint
+
+    def fresh_problem():
+        while True:
+            level = rng.choice(levels)
+            numbers = tuple(rng.randint(10, 99) for _ in range(NUMBERS_PER_LEVEL[level]))
+            if numbers not in seen:
+                seen.add(numbers)
+                return level, numbers
+
+    def row(level, numbers):
+        return {"prompt": PROMPT_TEMPLATE.format(question="+".join(map(str, numbers))), "answer": sum(numbers),
+                "level": level, "carry_trap": has_carry_trap(numbers)}
+
+    test = []
+    for _ in range(sizes["test"]):  # drawn first, so train sizes do not change the test split
+        level, numbers = fresh_problem()
+        test.append({**row(level, numbers), "reference": scratchpad(numbers)[0]})
+    sft = []
+    for _ in range(sizes["sft"]):
+        level, numbers = fresh_problem()
+        text, written, _slipped = demonstrate(rng, numbers)
+        sft.append({**row(level, numbers), "completion": text, "correct": written == sum(numbers)})
+    rl = [row(*fresh_problem()) for _ in range(sizes["rl"])]
+    return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
+
+
+def world_stats(world):
+    """What the demonstrations are worth: their accuracy, the share of problems with the carry
+    trap, and the accuracy of an imitator that learns the demonstrator's most likely output."""
+    sft, test = world["sft"], world["test"]
+    trap = sum(test["carry_trap"]) / len(test)
+    return {"demo_accuracy": sum(sft["correct"]) / len(sft), "carry_trap_frac": trap, "imitator_accuracy": 1 - trap}
