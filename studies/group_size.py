@@ -57,11 +57,11 @@ def measure_gradients(model_path, num_gradients, seed):
             idx = rng.choice(len(ds), size=batch_size, replace=False).tolist()
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             t0 = time.perf_counter()
-            completion_ids, completion_mask, _ = sampling.generate(model, tokenizer, prompt_ids, prompt_mask,
+            completion_ids, completion_mask, truncated = sampling.generate(model, tokenizer, prompt_ids, prompt_mask,
                                                                  args.max_completion_length, args.temperature,
                                                                  num_return_sequences=G)  # (64, C)
             t1 = time.perf_counter()
-            texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+            texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
             group = [i for i in idx for _ in range(G)]
             reward = common.call_reward_fn(gold, [ds["prompt"][i] for i in group], texts, {"post": [ds["post"][i] for i in group]})
             advantages = grpo.group_advantages(reward, G, "group")  # (64,)

@@ -49,7 +49,7 @@ def test_char_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path, arith):
     assert auto.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == texts[-1]
     # completions as the scripts encode and decode them
     c_ids, c_mask = common.encode_completions(auto, [arith["test"][0]["reference"]])
-    assert sampling.decode_completions(auto, c_ids, c_mask) == [arith["test"][0]["reference"]]
+    assert sampling.decode_completions(auto, c_ids, c_mask, torch.tensor([False])) == [arith["test"][0]["reference"]]
 
 
 def test_word_tokenizer_fitted_to_a_dataset(tmp_path):
