@@ -66,6 +66,8 @@ def main():
 
     # ---- model and tokenizer
     from_scratch = args.model == ""
+    if from_scratch and args.use_peft:
+        common.fail("--use_peft trains adapters on a pretrained base: pass --model (e.g. runs/sft).")
     if from_scratch:
         if args.dataset != common.EMBEDDED:
             common.fail("a model trained from scratch only knows the embedded world's words; pass --model with --dataset.")
@@ -76,7 +78,7 @@ def main():
             common.enable_checkpointing(model)
     else:
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-        model = common.load_model(args.model, args)
+        model = common.load_model(args.model, args, adapters=True)  # --use_peft: LoRA adapters on a frozen base
     model.train()
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
