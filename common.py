@@ -215,6 +215,9 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
         enable_checkpointing(model)
     if "device_map" not in kwargs:  # quantised weights are placed by from_pretrained and cannot be moved
         model = model.to(device())
+    for module in model.modules():  # bitsandbytes 0.50 on the CPU repacks 4-bit weights at the first
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # no-grad eval forward (a rollout), and then
+            module.support_avx512bf16_for_cpu = False  # cannot backpropagate through them: keep one layout
     if peft:
         model = add_adapters(model, args)
     return model
