@@ -92,8 +92,11 @@ def peft_plan(args, config, head, nb):
     --load_in_8bit (one byte per weight, one fp32 scale per output row); everything else stays in
     --dtype. Each --lora_target_modules layer (in -> out) gets A (r x in) and B (out x r) in fp32
     (peft keeps adapters in fp32 on a bf16 base); a score head trains as a copy in --dtype.
-    Activations: per adapted layer and token, the adapter's fp32 copy of its input, with dropout
-    also its output and a 1-byte mask, and A's output (r fp32).
+    Activations, per adapted layer and token: the fp32 copy of its input that peft makes for the
+    adapter on a bf16/fp16 base (with --lora_dropout, the dropout's output instead, plus a 1-byte
+    mask on a GPU; the CPU keeps 4-byte noise), and A's output (r fp32). Measured with
+    saved_tensors_hooks on a tiny Qwen2 (tests/test_peft.py): the base's own activations are
+    counted as if its layers trained, so the total is an upper bound (by ~20% there).
     """
     model = _meta_model(config, head)
     heads = {id(model.get_output_embeddings()), id(getattr(model, "score", None))}
@@ -111,7 +114,7 @@ def peft_plan(args, config, head, nb):
             quantised.add(id(m.weight))
         if targets is None or name.split(".")[-1] in targets:
             trained += [args.lora_r * m.in_features, m.out_features * args.lora_r]
-            act += (9 if args.lora_dropout else 4 if nb < 4 else 0) * m.in_features + 4 * args.lora_r
+            act += ((4 if nb < 4 or args.lora_dropout else 0) + (1 if args.lora_dropout else 0)) * m.in_features + 4 * args.lora_r
     base += (sum(p.numel() for p in model.parameters() if id(p) not in quantised)
              + sum(b.numel() for b in model.buffers())) * nb
     trained_bytes = 4 * sum(trained)
