@@ -40,6 +40,7 @@ Run:
     python dpo.py                       # offline, embedded preference pairs -> runs/dpo
     python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
     python dpo.py --online --reward_model runs/reward
+    python dpo.py --use_peft --load_in_4bit   # QLoRA (adapters want ~10x the lr); the reference is the base, adapters off
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
         --learning_rate 5e-7 --batch_size 4 --gradient_accumulation_steps 16
 """

@@ -46,6 +46,8 @@ Run:
                                                           # ... and log the samples' gold score (weight 0)
     python grpo.py --model Qwen/Qwen2.5-1.5B --learning_rate 1e-6 --temperature 1.0   # embedded prompts, gold
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
+    python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
+    python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
 import os
