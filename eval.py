@@ -283,9 +283,9 @@ def generate_responses(path, name, raw_prompts, args):
         return out["responses"], out["truncated"]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                               args.eval_batch_size, **sampling)
+                                               args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     common.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
@@ -408,7 +408,7 @@ def main():
         common.load_reward_fn(args.reward_fn)  # fail now, not after generating
     for path in args.policies + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
         common.check_model_source(path)
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
             common.fail(f"{path} holds no model (no config.json): run the script that writes it first "
                         "(sft.py, reward.py, ppo.py, dpo.py or grpo.py).")
 
