@@ -260,7 +260,7 @@ def main():
     with open(output + ".json", "w") as f:
         json.dump(results, f, indent=2)
     lines = [f"# GPU benchmark: {device}", "",
-             f"Qwen2.5-1.5B shape{' (TINY check)' if args.tiny else ''}, random weights, prompt {prompt_len} + "
+             f"Qwen2.5-1.5B shape (`*_qlora_7b`: Qwen2.5-7B shape){' (TINY check)' if args.tiny else ''}, random weights, prompt {prompt_len} + "
              f"completion {completion_len} tokens, {args.steps} steps per stage.", "",
              "| stage | peak GB (measured) | plan GB (--estimate_memory) | target GB | s/step | tokens/s | command |",
              "|---|---|---|---|---|---|---|"]
