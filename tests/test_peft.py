@@ -252,3 +252,12 @@ def test_activation_plan_with_adapters_bounds_the_saved_tensors():
         per_layer = memory.peft_plan(args, config, "lm", dtype.itemsize)[3]
         plan = memory.activation_plan(config, ids.numel(), dtype.itemsize, False, per_layer)
         assert sum(saved.values()) <= plan <= 1.3 * sum(saved.values()), (dtype, sum(saved.values()), plan)
+
+
+@pytest.mark.parametrize("argv, message", [(["--load_in_4bit"], "add --use_peft"),
+                                           (["--use_peft", "--load_in_4bit", "--load_in_8bit"], "not both"),
+                                           (["--use_peft", "--parallel", "fsdp2", "--optim", "adamw"], "ddp only")])
+def test_quantisation_flags_fail_with_one_sentence(monkeypatch, argv, message):
+    monkeypatch.setattr(sys, "argv", ["sft.py", *argv])
+    with pytest.raises(SystemExit, match=message):
+        common.parse_args(sft.Args)
