@@ -56,6 +56,15 @@ class TrainArgs:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, about a third more time."})
+    # LoRA and QLoRA (peft, bitsandbytes)
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (and a score head) on a frozen base; the reference is the base with the adapters off."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator: the update is (lora_alpha / lora_r) B A x."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapters' input."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated module names that get adapters (e.g. q_proj,v_proj); all-linear: every linear layer of the decoder."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base's linear layers in 4-bit NF4 (bitsandbytes), computing in --dtype; needs --use_peft."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base's linear layers in 8 bits (bitsandbytes LLM.int8); needs --use_peft."})
+    merge_adapters: bool = field(default=True, metadata={"help": "With --use_peft: the final save also writes the adapters merged into the base to <output_dir>/ (the adapters go to <output_dir>/adapter/)."})
     # logging and saving
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
     save_steps: int = field(default=0, metadata={"help": "Save <output_dir>/checkpoint-<step>/ every this many steps (0: final save only)."})
@@ -90,6 +99,12 @@ def parse_args(cls):
     if args.resume_from_checkpoint and not os.path.isfile(os.path.join(args.resume_from_checkpoint, "trainer_state.pt")):
         fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no trainer_state.pt there; pass a "
              "<output_dir>/checkpoint-<step> folder written by --save_steps.")
+    if (args.load_in_4bit or args.load_in_8bit) and not args.use_peft:
+        fail("--load_in_4bit / --load_in_8bit freeze a quantised base that only adapters can train: add --use_peft.")
+    if args.load_in_4bit and args.load_in_8bit:
+        fail("pass one of --load_in_4bit and --load_in_8bit, not both.")
+    if args.use_peft and args.parallel == "fsdp2":
+        fail("--use_peft runs under torchrun with --parallel ddp only (FSDP2 would shard the peft wrapper's layers).")
     for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "logging_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
@@ -212,24 +227,135 @@ def check_model_source(name):
         fail(f"model folder {name} does not exist.")
 
 
-def load_model(name, args, cls=None, **kwargs):
+def load_model(name, args, cls=None, adapters=False, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
     safetensors only, no remote code unless asked, on the training device. A causal LM whose
-    forward transforms its logits in a way sampling.lm_logits does not reproduce is refused."""
-    from transformers import AutoModelForCausalLM
+    forward transforms its logits in a way sampling.lm_logits does not reproduce is refused.
+
+    `adapters=True` marks the model a script trains: with --use_peft its base is loaded (at 4 or
+    8 bits with --load_in_4bit / --load_in_8bit), frozen, and wrapped by peft.get_peft_model
+    with LoRA adapters on --lora_target_modules; a score head (reward models, critics:
+    task_type SEQ_CLS) is trained in full next to them (peft's modules_to_save). Frozen models
+    (`adapters=False`) load as before, in --dtype.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_model_source(name)
     cls = cls or AutoModelForCausalLM
+    if os.path.isfile(os.path.join(name, "adapter_config.json")):  # an adapter folder (<output_dir>/adapter)
+        return load_adapter_folder(name, args, cls, adapters, **kwargs)
+    peft = adapters and args.use_peft
+    if peft and (args.load_in_4bit or args.load_in_8bit):
+        # QLoRA (Dettmers et al. 2023): NF4 weights, one fp32 absmax per block of 64, matmuls in --dtype
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit, bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch_dtype(args.dtype))
+        kwargs["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
     model = cls.from_pretrained(
         name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
         trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
     )
-    model = model.to(device())
+    if "device_map" not in kwargs:  # quantised weights are placed by from_pretrained and cannot be moved
+        model = model.to(device())
+    for module in model.modules():  # bitsandbytes 0.50 on the CPU repacks 4-bit weights at the first
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # no-grad eval forward (a rollout), and then
+            module.support_avx512bf16_for_cpu = False  # cannot backpropagate through them: keep one layout
     if cls is AutoModelForCausalLM:
         sampling.check_logits(model)  # one forward of a few tokens
     if getattr(args, "gradient_checkpointing", False):
         enable_checkpointing(model)
+    if peft:
+        model = add_adapters(model, args)
     return model
+
+
+def load_adapter_folder(name, args, cls, adapters=False, **kwargs):
+    """A model saved as LoRA adapters (adapter_config.json + adapter_model.safetensors): its
+    base (adapter_config.json's base_model_name_or_path, in --dtype) with the adapters merged in."""
+    from peft import PeftModel
+
+    with open(os.path.join(name, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    if not base or not os.path.exists(base) and base.startswith((".", "/", "runs/")):
+        fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
+             "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
+    model = load_model(base, args, cls, **kwargs)
+    model = PeftModel.from_pretrained(model, name).merge_and_unload()
+    return add_adapters(model, args) if adapters and args.use_peft else model
+
+
+def merged_model(model, args):
+    """The trained adapters merged into a fresh copy of the base in --dtype, on the CPU: W + (alpha/r) B A.
+    A quantised base is reloaded unquantised rather than merged into its rounded weights, so the
+    result loads anywhere as a plain transformers model (eval.py, vLLM, lm-eval)."""
+    import copy
+    import tempfile
+
+    from peft import PeftModel
+
+    inner = model.get_base_model()
+    config = copy.deepcopy(inner.config)  # with what the run added, e.g. reward.py's reward_mean
+    for name in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, name):
+            delattr(config, name)
+    base = type(inner).from_pretrained(args.model, config=config, dtype=torch_dtype(args.dtype),
+                                       trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
+        model.save_pretrained(tmp)
+        return PeftModel.from_pretrained(base, tmp).merge_and_unload()
+
+
+def add_adapters(model, args):
+    """LoRA adapters (Hu et al. 2021) on a frozen base: W x + (lora_alpha / r) B A x, B = 0 at
+    the start, so the adapted model starts exactly as the base.
+
+    Not peft's prepare_model_for_kbit_training: it casts every unquantised weight (embeddings,
+    head, norms) to fp32, and with them the hidden states, which for Qwen2.5-7B costs 2.2 GB of
+    weights and doubles the activations; its other jobs are done here already (get_peft_model
+    freezes the base; non-reentrant checkpointing needs no input gradients).
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    score_head = hasattr(model, "score")  # AutoModelForSequenceClassification: reward models, critics
+    targets = args.lora_target_modules
+    config = LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        task_type=TaskType.SEQ_CLS if score_head else TaskType.CAUSAL_LM,
+        modules_to_save=["score"] if score_head else None)  # the new head trains in full
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # e.g. a --lora_target_modules name this architecture does not have
+        fail(f"--lora_target_modules {targets}: {e}")
+
+
+def is_peft(model):
+    return model is not None and hasattr(model, "disable_adapter")
+
+
+def reference_of(model, args):
+    """The frozen reference pi_ref: with --use_peft the policy itself, whose base is the
+    reference when its adapters are off (`adapters_off`), so it costs no memory; otherwise a
+    frozen copy of --model."""
+    if is_peft(model):
+        return model
+    return freeze(load_model(args.model, args))
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Run `model` as its base: a peft model with its adapters (and trained score head) switched
+    off and dropout off; any other model unchanged."""
+    if not is_peft(model):
+        yield model
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            yield model
+    finally:
+        model.train(was_training)
 
 
 def enable_checkpointing(model):
@@ -736,8 +862,18 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
 def save_final(model, tokenizer, args):
     """The final model in <output_dir>/ (where metrics.jsonl and checkpoints also live): saved
     to a temporary folder, then moved in file by file with config.json last, so a crash never
-    leaves a loadable half-model."""
+    leaves a loadable half-model.
+
+    With --use_peft: the adapters go to <output_dir>/adapter/ (small, to share or to resume
+    from), and with --merge_adapters (the default) the merged model to <output_dir>/, so every
+    consumer of a run's output (eval.py, the next stage's --model, vLLM, lm-eval) reads a plain
+    transformers model there, as after full fine-tuning."""
     out = args.output_dir
+    if is_peft(model):
+        save_checkpoint(model, tokenizer, args, os.path.join(out, "adapter"))
+        if not args.merge_adapters:
+            return
+        model = merged_model(model, args) if parallel.is_main() else model
     tmp = os.path.join(out, "final.tmp")
     save_checkpoint(model, tokenizer, args, tmp)
     if not parallel.is_main():
@@ -773,6 +909,14 @@ def load_weights(model, folder):
         loaded.update(load_file(path))
     if not loaded:
         fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    if is_peft(model):  # adapters (and a trained score head), saved under peft's names
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, loaded)
+        if result.unexpected_keys or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            fail(f"{folder} does not hold this run's adapters; resume with the same --model, --use_peft and "
+                 "--lora_* flags as the run that wrote it.")
+        return
     params = model.state_dict()
     unexpected = sorted(set(loaded) - set(params))
     if unexpected:
@@ -814,7 +958,14 @@ def training_state(step, optimizer, scheduler, **stateful):
     optim["state"] = {i: {k: v.full_tensor().cpu() if parallel.is_sharded_param(v) else v for k, v in s.items()}
                       for i, s in optim["state"].items()}
     return {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
-            **{name: obj.state_dict() for name, obj in stateful.items()}}
+            **{name: adapter_state(obj) if is_peft(obj) else obj.state_dict() for name, obj in stateful.items()}}
+
+
+def adapter_state(model):
+    """What a peft model trains (adapters, a score head), under peft's names: all a checkpoint needs."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
 
 
 def last_checkpoint(output_dir):
@@ -848,7 +999,12 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     for name, obj in stateful.items():
-        obj.load_state_dict(state[name])
+        if is_peft(obj):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(obj, state[name])
+        else:
+            obj.load_state_dict(state[name])
     if len(state["rng"]) == parallel.world_size():
         set_rng_state(state["rng"][parallel.rank()])
     else:  # a different number of ranks: sampling cannot replay exactly, the data order still does

@@ -40,6 +40,7 @@ Run:
     python dpo.py                       # offline, embedded preference pairs -> runs/dpo
     python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
     python dpo.py --online --reward_model runs/reward
+    python dpo.py --use_peft --load_in_4bit   # QLoRA (adapters want ~10x the lr); the reference is the base, adapters off
     python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
         --batch_size 4 --gradient_accumulation_steps 16
 """
@@ -151,14 +152,15 @@ def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
 @torch.no_grad()
 def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
     """One pass of the (still untrained, hence reference) model over the dataset: (N, 2) of
-    (ref_chosen_logps, ref_rejected_logps), kept on the CPU."""
+    (ref_chosen_logps, ref_rejected_logps), kept on the CPU. With --use_peft: its base, adapters off."""
     was_training = model.training
     model.eval()  # the reference runs without dropout, as a frozen copy would
     out = []
-    for i in range(0, len(prompts), args.eval_batch_size):
-        s = slice(i, i + args.eval_batch_size)
-        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, sampling.stop_token_ids(model, tokenizer))
-        out.append(torch.stack(pair_logps(model, batch, args.loss_type), 1).cpu())  # (b, 2)
+    with common.adapters_off(model):
+        for i in range(0, len(prompts), args.eval_batch_size):
+            s = slice(i, i + args.eval_batch_size)
+            batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, sampling.stop_token_ids(model, tokenizer))
+            out.append(torch.stack(pair_logps(model, batch, args.loss_type), 1).cpu())  # (b, 2)
     model.train(was_training)
     return torch.cat(out)
 
@@ -252,9 +254,9 @@ def main():
     device = common.device()
     embedded = args.dataset == common.EMBEDDED
 
-    # ---- model and tokenizer (the policy starts as the reference)
+    # ---- model and tokenizer (the policy starts as the reference; --use_peft: LoRA adapters on a frozen base)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    model = common.load_model(args.model, args)
+    model = common.load_model(args.model, args, adapters=True)
     model.train()
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
@@ -279,12 +281,13 @@ def main():
           f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
-    # ---- the reference: precomputed log-probs (offline, one model) or a frozen copy (two models)
+    # ---- the reference: precomputed log-probs (offline, one model), a frozen copy (two models), or
+    # with --use_peft the policy's own base with its adapters off (one model)
     ref_model, ref_cache, judge_model = None, None, None
     if not args.online and args.precompute_ref_logps:
         ref_cache = precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args)  # (N, 2)
     else:
-        ref_model = common.freeze(common.load_model(args.model, args))
+        ref_model = common.reference_of(model, args)
     if args.online:
         judge, judge_model = make_judge(args, embedded)
     init = {}
@@ -298,8 +301,9 @@ def main():
     start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = common.MetricsLogger(args, start_step)
     # what training holds: one model with precompute on, two (policy + reference) otherwise
-    held = {"models_alive": 1 + (ref_model is not None), "model_bytes": memory.tensor_bytes(model)
-            + (memory.tensor_bytes(ref_model) if ref_model is not None else 0),
+    separate_ref = ref_model is not None and ref_model is not model
+    held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
+            + (memory.tensor_bytes(ref_model) if separate_ref else 0),
             "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
     print(f"dpo: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
           + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
@@ -327,7 +331,7 @@ def main():
             if ref_cache is not None:
                 ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)
             else:
-                with torch.no_grad():
+                with torch.no_grad(), common.adapters_off(ref_model):
                     ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
             # 3. policy log-probs and the DPO loss (Eq. 7), mean over pairs
             chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)  # (B,), (B,)
@@ -348,7 +352,7 @@ def main():
                          "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
-                          frozen={"reference model": ref_model, "reward model": judge_model})
+                          frozen={"reference model": ref_model if separate_ref else None, "reward model": judge_model})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 

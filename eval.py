@@ -662,7 +662,7 @@ def main():
     paths = [p for _, run_paths in methods for p in run_paths]
     for path in paths + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
         common.check_model_source(path)
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
             common.fail(f"{path} holds no model (no config.json): run the script that writes it first "
                         "(sft.py, reward.py, ppo.py, dpo.py or grpo.py).")
 

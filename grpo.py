@@ -49,6 +49,8 @@ Run:
     python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
     python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith
+    python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
+    python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
 import os
@@ -248,13 +250,14 @@ def main():
     common.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
 
-    # ---- models: policy, frozen reference (only if beta > 0), reward sources
+    # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    model = common.load_model(args.model, args)
+    model = common.load_model(args.model, args, adapters=True)
     model.train()
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
-    # the KL anchor: the starting policy, frozen; beta == 0 saves its memory entirely
-    ref_model = common.freeze(common.load_model(args.model, args)) if args.beta else None
+    # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off);
+    # beta == 0 saves its memory entirely
+    ref_model = common.reference_of(model, args) if args.beta else None
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
@@ -318,7 +321,7 @@ def main():
                 # 4. log-probs of the reference (those of the sampling policy come with the first update)
                 ref_logprobs = None
                 if ref_model is not None:
-                    with torch.no_grad():
+                    with torch.no_grad(), common.adapters_off(ref_model):
                         ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
                                                                   completion_mask, args.temperature)
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -348,7 +351,7 @@ def main():
             step_metrics.append(metrics)
             del logprobs, entropy, loss
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
-                          frozen={"reference model": ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
+                          frozen={"reference model": None if ref_model is model else ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 

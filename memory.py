@@ -66,6 +66,11 @@ def model_config(args, name=None):
 def parameter_numels(config, head="lm"):
     """Element counts of a model's parameters (tied weights once) and buffers, from a model built
     on the meta device: exact for any architecture, no memory, well under a second for 1.5B."""
+    model = _meta_model(config, head)
+    return [p.numel() for p in model.parameters()], sum(b.numel() for b in model.buffers())
+
+
+def _meta_model(config, head):
     import copy
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -75,8 +80,48 @@ def parameter_numels(config, head="lm"):
         config.num_labels = 1
     cls = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = cls.from_config(config)
-    return [p.numel() for p in model.parameters()], sum(b.numel() for b in model.buffers())
+        return cls.from_config(config)
+
+
+def peft_plan(args, config, head, nb):
+    """What a model holds under --use_peft, from its config: (bytes of the frozen base, element
+    counts of what trains, bytes of what trains, LoRA activation bytes per token and layer).
+
+    Every linear layer of the decoder (not the head) is quantised by --load_in_4bit (NF4: half a
+    byte per weight, one fp32 absmax per block of 64, a 16-entry fp32 code per layer) or
+    --load_in_8bit (one byte per weight, one fp32 scale per output row); everything else stays in
+    --dtype. Each --lora_target_modules layer (in -> out) gets A (r x in) and B (out x r) in fp32
+    (peft keeps adapters in fp32 on a bf16 base); a score head trains as a copy in --dtype.
+    Activations, per adapted layer and token: the fp32 copy of its input that peft makes for the
+    adapter on a bf16/fp16 base (with --lora_dropout, the dropout's output instead, plus a 1-byte
+    mask on a GPU; the CPU keeps 4-byte noise), and A's output (r fp32). Measured with
+    saved_tensors_hooks on a tiny Qwen2 (tests/test_peft.py): the base's own activations are
+    counted as if its layers trained, so the total is an upper bound (by ~20% there).
+    """
+    model = _meta_model(config, head)
+    heads = {id(model.get_output_embeddings()), id(getattr(model, "score", None))}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in heads]
+    targets = None if args.lora_target_modules == "all-linear" else {
+        t.strip() for t in args.lora_target_modules.split(",") if t.strip()}
+    quantised, base, trained, act = set(), 0, [], 0
+    for name, m in linears:
+        n = m.weight.numel()
+        if args.load_in_4bit:
+            base += -(-n // 2) + 4 * -(-n // 64) + 16 * 4
+            quantised.add(id(m.weight))
+        elif args.load_in_8bit:
+            base += n + 4 * m.out_features
+            quantised.add(id(m.weight))
+        if targets is None or name.split(".")[-1] in targets:
+            trained += [args.lora_r * m.in_features, m.out_features * args.lora_r]
+            act += ((4 if nb < 4 or args.lora_dropout else 0) + (1 if args.lora_dropout else 0)) * m.in_features + 4 * args.lora_r
+    base += (sum(p.numel() for p in model.parameters() if id(p) not in quantised)
+             + sum(b.numel() for b in model.buffers())) * nb
+    trained_bytes = 4 * sum(trained)
+    if head == "score":  # the trained copy of the score head (peft's modules_to_save)
+        trained.append(model.score.weight.numel())
+        trained_bytes += nb * model.score.weight.numel()
+    return base, trained, trained_bytes, act // config.num_hidden_layers
 
 
 def optimizer_state_plan(numels, optim, dtype):
@@ -105,7 +150,7 @@ def sr_bucket_numel(numels):
     return largest
 
 
-def activation_plan(config, tokens, nbytes, checkpointing):
+def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0):
     """Bytes autograd keeps for backward over `tokens` (sequences x length) of a Llama/Qwen-style
     decoder with flash/SDPA attention (no seq x seq scores kept).
 
@@ -115,12 +160,14 @@ def activation_plan(config, tokens, nbytes, checkpointing):
     fp32, + 4 * heads + 8 (attention log-sum-exp, norm statistics). h: hidden size, I:
     intermediate size, kv: key/value width. With gradient checkpointing only each layer's input
     (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
+    `adapters_per_layer`: LoRA's bytes per token and layer (peft_plan), on top of the base's
+    (counted in full, as if the frozen base layers saved what trained ones do: an upper bound).
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     inter = getattr(config, "intermediate_size", 4 * h)
     heads = config.num_attention_heads
     kv = _kv_width(config)
-    per_layer = nbytes * (8 * h + 4 * inter + 2 * kv) + 2 * h * (4 - nbytes) + 4 * heads + 8
+    per_layer = nbytes * (8 * h + 4 * inter + 2 * kv) + 2 * h * (4 - nbytes) + 4 * heads + 8 + adapters_per_layer
     final_norm = (4 + nbytes) * h
     if checkpointing:
         return tokens * (layers * nbytes * h + per_layer + final_norm)
@@ -183,20 +230,40 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     P, C, gen_len = prompt_length, completion_length, generation_length or completion_length
     ckpt = args.gradient_checkpointing
     opt_note = {"adamw_8bit": "8-bit AdamW: ~2 bytes/param", "adamw": "AdamW: 8 bytes/param (fp32 moments)"}[args.optim]
-    rows = [("policy weights", weights, f"{sum(numels) / 1e6:,.1f}M params x {nb} bytes ({dtype})"),
-            ("gradients", sum(numels) * nb, f"{dtype}, like the weights"),
-            ("optimizer states", optimizer_state_plan(numels, args.optim, dtype), opt_note + "; no master weights")]
+    adapters = 0  # LoRA activation bytes per token and layer
+    if args.use_peft:  # a frozen (maybe 4/8-bit) base, and only the adapters (and a score head) train
+        base, trained, trained_bytes, adapters = peft_plan(args, config, head, nb)
+        bits = "4-bit NF4" if args.load_in_4bit else "8-bit" if args.load_in_8bit else str(dtype)
+        rows = [("policy weights", base, f"frozen base, {sum(numels) / 1e6:,.1f}M params, linear layers {bits}"),
+                ("adapter weights", trained_bytes, f"LoRA r={args.lora_r}, {sum(trained) / 1e6:,.2f}M params in fp32"
+                 + (" + score head" if head == "score" else "")),
+                ("gradients", trained_bytes, "of the adapters only"),
+                ("optimizer states", optimizer_state_plan(trained, args.optim, torch.float32), opt_note + ", adapters only")]
+    else:
+        rows = [("policy weights", weights, f"{sum(numels) / 1e6:,.1f}M params x {nb} bytes ({dtype})"),
+                ("gradients", sum(numels) * nb, f"{dtype}, like the weights"),
+                ("optimizer states", optimizer_state_plan(numels, args.optim, dtype), opt_note + "; no master weights")]
     where = " (on the CPU: --offload_frozen)" if offload else ""
-    if reference is not None:
+    if reference is True and args.use_peft:
+        rows.append(("reference model", 0, "none: the policy's base with its adapters off (--use_peft)"))
+    elif reference is not None:
         held = reference is True
         rows.append(("reference model", weights if held and not offload else 0,
                      "frozen copy of the policy" + where if held else f"none: {reference}"))
+    c_adapters = 0
     if critic_from is not None:
         c_config = _config_or_policy(args, critic_from, config)
         c_numels, c_buffers = parameter_numels(c_config, "score")
-        rows += [("critic weights", (sum(c_numels) + c_buffers) * nb, f"{sum(c_numels) / 1e6:,.1f}M params, score head"),
-                 ("critic gradients", sum(c_numels) * nb, ""),
-                 ("critic optimizer states", optimizer_state_plan(c_numels, args.optim, dtype), opt_note)]
+        if args.use_peft:
+            c_base, c_trained, c_bytes, c_adapters = peft_plan(args, c_config, "score", nb)
+            rows += [("critic weights", c_base, f"frozen base, {sum(c_numels) / 1e6:,.1f}M params"),
+                     ("critic adapter weights", c_bytes, "LoRA + score head"),
+                     ("critic gradients", c_bytes, ""),
+                     ("critic optimizer states", optimizer_state_plan(c_trained, args.optim, torch.float32), opt_note)]
+        else:
+            rows += [("critic weights", (sum(c_numels) + c_buffers) * nb, f"{sum(c_numels) / 1e6:,.1f}M params, score head"),
+                     ("critic gradients", sum(c_numels) * nb, ""),
+                     ("critic optimizer states", optimizer_state_plan(c_numels, args.optim, dtype), opt_note)]
     reward_bytes, notes = 0, []
     for path in [p for p in reward_models or [] if p]:
         r_numels, r_buffers = parameter_numels(_config_or_policy(args, path, config), "score")
@@ -208,12 +275,12 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
 
     # the largest transient: a training micro-batch, a rollout, or the optimizer step's fp32 bucket
     logits = logits_plan(config, train_sequences * C) if head == "lm" else 0  # a score head has no vocabulary
-    train = activation_plan(config, train_sequences * (P + C), nb, ckpt) + logits
+    train = activation_plan(config, train_sequences * (P + C), nb, ckpt, adapters) + logits
     if critic_from is not None:
-        train += activation_plan(c_config, train_sequences * (P + C), nb, ckpt)
+        train += activation_plan(c_config, train_sequences * (P + C), nb, ckpt, c_adapters)
     gen = generation_plan(config, generation_sequences, P, gen_len, nb) if generation_sequences else 0
     visit = max(weights, reward_bytes) if offload else 0  # a frozen model on the device for its pass
-    bucket = 8 * sr_bucket_numel(numels) if dtype == torch.bfloat16 else 0
+    bucket = 8 * sr_bucket_numel(numels) if dtype == torch.bfloat16 and not args.use_peft else 0  # LoRA: fp32
     peak = max(train, gen, visit, bucket)
     if peak == train:
         what = (f"training micro-batch: {train_sequences} x ({P}+{C}) tokens{', checkpointed' if ckpt else ''}"
@@ -257,6 +324,19 @@ def print_plan(args, **holds):
     sys.exit(0)
 
 
+def quantisation_constants(params):
+    """The tensors bitsandbytes keeps beside quantised weights: 4-bit absmax and code (of both
+    levels with nested quantisation), 8-bit row scales."""
+    out = []
+    for p in params:
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            out += [state.absmax, state.code, getattr(state, "offset", None)]
+            state = getattr(state, "state2", None)
+        out.append(getattr(p, "SCB", None))
+    return [t for t in out if torch.is_tensor(t)]
+
+
 _MEMORY_LOGGED = set()  # output folders whose memory.json holds a complete measurement
 
 
@@ -284,10 +364,18 @@ def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
         ts = [t.to_local() if hasattr(t, "to_local") else t for t in ts if torch.is_tensor(t)]
         return tensor_bytes([t for t in ts if t.device.type == common.device().type])
 
-    components = {"policy weights": model, "gradients": [p.grad for p in model.parameters()],
+    def weights(m, prefix):  # under --use_peft: the frozen base (with its quantisation constants) and the adapters
+        if not common.is_peft(m):
+            return {f"{prefix} weights": m}
+        frozen = [p for p in m.parameters() if not p.requires_grad]
+        return {f"{prefix} weights": frozen + list(m.buffers()) + quantisation_constants(frozen),
+                ("critic adapter weights" if prefix == "critic" else "adapter weights"):
+                    [p for p in m.parameters() if p.requires_grad]}
+
+    components = {**weights(model, "policy"), "gradients": [p.grad for p in model.parameters()],
                   "optimizer states": (optimizer, model)}
     if critic is not None:
-        components.update({"critic weights": critic, "critic gradients": [p.grad for p in critic.parameters()],
+        components.update({**weights(critic, "critic"), "critic gradients": [p.grad for p in critic.parameters()],
                            "critic optimizer states": (optimizer, critic)})
     components.update(frozen or {})
     measured, complete = {}, True

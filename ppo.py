@@ -35,6 +35,14 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
   forward pass: it saves their weights' GPU memory (two of the four models) for two host<->device
   copies of each per step (about 2 * weight_bytes / PCIe bandwidth, e.g. ~0.25 s per step for two
   1.5B bf16 models at 25 GB/s). On a CPU-only machine it changes nothing.
+- --use_peft (LoRA; --load_in_4bit for QLoRA): each trained model is a frozen base with adapters,
+  and each frozen model is one of those bases with its adapters switched off, so PPO holds two
+  bases, not four models. pi_ref is the actor's base. V_phi gets its own adapters and a trained
+  copy of the score head on the reward model's base, and R_psi is that base with the adapters
+  (and the copy) off: the critic must start from the reward model (above), whose weights differ
+  from the policy's, so it cannot share the actor's base, but it can share R_psi's. With
+  --reward_fn the critic's base is a second copy of the policy (--model). With a quantised base,
+  pi_ref and R_psi are the 4- or 8-bit versions of the SFT policy and the reward model.
 
 Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
@@ -234,8 +242,10 @@ def main():
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
+        shared_rm = args.use_peft and not args.reward_fn  # R_psi is the critic's base (docstring)
         memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
-                          reward_models=[] if args.reward_fn else [args.reward_model], reward_note="--reward_fn only",
+                          reward_models=[] if args.reward_fn or shared_rm else [args.reward_model],
+                          reward_note="the critic's base with its adapters off (--use_peft)" if shared_rm else "--reward_fn only",
                           train_sequences=args.batch_size, generation_sequences=args.batch_size,
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length,
                           offload=args.offload_frozen)
@@ -244,6 +254,9 @@ def main():
     for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
         if getattr(args, name) < 1:
             common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    if args.offload_frozen and args.use_peft:
+        common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
+                    "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
     parallel.single_process("ppo.py")
     common.set_seed(args.seed)
     device = common.device()
@@ -257,22 +270,24 @@ def main():
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
 
-    # ---- models: actor, reference, critic, reward
+    # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    policy = common.load_model(args.model, args)
-    ref_policy = common.freeze(common.load_model(args.model, args)).to(offload_device)
-    if args.reward_fn:
-        reward_model, rm_tokenizer, reward_mean, critic_source = None, None, 0.0, args.model
-    else:
-        reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
+    policy = common.load_model(args.model, args, adapters=True)
+    ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
+    critic_source = args.model if args.reward_fn else args.reward_model
+    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
+    critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
+    reward_model, rm_tokenizer, reward_mean = None, None, 0.0
+    if not args.reward_fn:
+        if args.use_peft:  # R_psi is the critic's base with its adapters and score-head copy off
+            reward_model, rm_tokenizer = critic, common.load_tokenizer(args.reward_model, args.trust_remote_code)
+        else:
+            reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
+            reward_model = reward_model.to(offload_device)
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
             common.fail(f"the reward model {args.reward_model} has another tokenizer than {args.model}; ppo.py scores "
                         "token ids directly, so train the reward model from the same policy (python reward.py --model ...).")
-        reward_model = reward_model.to(offload_device)
         reward_mean = float(getattr(reward_model.config, "reward_mean", 0.0))
-        critic_source = args.reward_model
-    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
-    critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
     policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
     common.check_readable(tokenizer, prompts, args.model, args.dataset)
@@ -321,16 +336,18 @@ def main():
                 lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
                 old_logprobs.append(lp)
                 values.append(v)
-                ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                                               mb["completion_mask"], args.temperature))
+                with common.adapters_off(ref_policy):
+                    ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"],
+                                                                     mb["completion_ids"], mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
             # a verifier on the text (with the dataset's other columns), or R_psi centred by the mean
             # score on chosen responses
             texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
             reward_model = on_device(reward_model, device, args.offload_frozen)
-            scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
-                           {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
+            with common.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
+                scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
+                               {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
             reward_model = on_device(reward_model, offload_device, args.offload_frozen)
             scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
             common.check_finite("reward", scores, step + 1)
@@ -362,7 +379,8 @@ def main():
                     (loss / args.gradient_accumulation_steps).backward()
                     stats.append({**pg_stats, **vf_stats, "loss": loss.detach(), "entropy": masked_mean(entropy.detach(), mb_mask)})
                 memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
-                                  frozen={"reference model": ref_policy, "reward model": reward_model})
+                                  frozen={"reference model": None if ref_policy is policy else ref_policy,
+                                          "reward model": None if reward_model is critic else reward_model})
                 grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
                 scheduler.step()
 
@@ -387,9 +405,10 @@ def main():
     logger.close()
     common.save_final(policy, tokenizer, args)
     summary = {**final,
-               "memory_bytes": {"policy": memory.tensor_bytes(policy), "ref_policy": memory.tensor_bytes(ref_policy),
+               "memory_bytes": {"policy": memory.tensor_bytes(policy),
+                                "ref_policy": 0 if ref_policy is policy else memory.tensor_bytes(ref_policy),
                                 "critic": memory.tensor_bytes(critic),
-                                "reward_model": memory.tensor_bytes(reward_model) if reward_model is not None else 0,
+                                "reward_model": memory.tensor_bytes(reward_model) if reward_model not in (None, critic) else 0,
                                 "optimizer": memory.optimizer_state_bytes(optimizer), "peak": memory.peak_memory_bytes()}}
     if args.dataset == common.EMBEDDED:
         summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
@@ -413,7 +432,8 @@ def test_kl(policy, ref_policy, tokenizer, args, device, offload_device):
         p_ids, p_mask = p_ids.to(device), p_mask.to(device)
         c_ids, c_mask, _ = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, temperature=args.temperature)
         lp = sampling.completion_logprobs(policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
-        ref_lp = sampling.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
+        with common.adapters_off(ref_policy):
+            ref_lp = sampling.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
         total.append(((lp - ref_lp) * c_mask).sum(1).cpu())
     on_device(ref_policy, offload_device, args.offload_frozen)
     return {"test_kl": float(torch.cat(total).mean())}

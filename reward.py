@@ -134,7 +134,8 @@ def main():
 
     # ---- model: the policy's trunk with a fresh scalar head
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    # --use_peft: LoRA adapters on a frozen base, and the new score head trained in full
+    model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)

@@ -102,14 +102,21 @@ def position_ids(mask):
 
 
 def backbone(model):
-    """The transformer without its head (model.model for Llama/Qwen, model.transformer for GPT-2)."""
+    """The transformer without its head (model.model for Llama/Qwen, model.transformer for GPT-2);
+    inside a peft model, its LoRA layers included."""
+    model = transformers_model(model)
     return getattr(model, model.base_model_prefix)
+
+
+def transformers_model(model):
+    """The transformers model itself: a peft model's wrapped one (adapters in place), else `model`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def with_cache(module, cache):
     """Keyword arguments that make a forward read and extend a key/value cache: transformers
     renamed `past_key_values` to `cache` in 5.x, and this works with either."""
-    return {_cache_keyword(type(module)): cache, "use_cache": True}
+    return {_cache_keyword(type(transformers_model(module))): cache, "use_cache": True}
 
 
 @functools.cache
@@ -119,6 +126,7 @@ def _cache_keyword(cls):
 
 def is_checkpointing(model):
     """Whether activation (gradient) checkpointing is on; transformers 5 renamed the attribute."""
+    model = transformers_model(model)
     if hasattr(type(model), "is_activation_checkpointing"):
         return bool(model.is_activation_checkpointing)
     return bool(getattr(model, "is_gradient_checkpointing", False))

@@ -77,6 +77,8 @@ def main():
     ds = common.training_data(args, "sft")
     pairs = common.sft_pairs(ds, args.dataset)
     from_scratch = args.model == ""
+    if from_scratch and args.use_peft:
+        common.fail("--use_peft trains adapters on a pretrained base: pass --model (e.g. runs/sft).")
     if from_scratch:
         common.check_choice("--scratch_tokenizer", args.scratch_tokenizer, ["", "char", "word"])
         if args.dataset == common.EMBEDDED and not args.scratch_tokenizer:
@@ -92,7 +94,7 @@ def main():
             common.enable_checkpointing(model)
     else:
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-        model = common.load_model(args.model, args)
+        model = common.load_model(args.model, args, adapters=True)  # --use_peft: LoRA adapters on a frozen base
     model.train()
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun

@@ -17,8 +17,13 @@ What it does:
    torch.cuda.max_memory_allocated) and the --estimate_memory plan of the same command.
 4. Writes bench/results_gpu.json and bench/results_gpu.md.
 
+The `*_qlora_7b` stages (not in the default --stages) run grpo.py and dpo.py with --use_peft
+--load_in_4bit on a Qwen2.5-7B-shaped policy (hidden 3584, intermediate 18944, 28 layers, 28
+heads, 4 KV heads, vocab 152064, untied embeddings): QLoRA, where the plan says 16 GB is enough.
+
 Run:
     python bench/gpu.py                # on the GPU machine
+    python bench/gpu.py --stages grpo_qlora_7b,dpo_qlora_7b   # QLoRA on the 7B shape
     python bench/gpu.py --tiny         # a 2-minute check of the whole path on the CPU
 """
 
@@ -37,10 +42,14 @@ sys.path.insert(0, ROOT)
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
                   max_position_embeddings=32768)
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6,
+                 max_position_embeddings=32768)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
             max_position_embeddings=1024)
-TARGET_GB = {"dpo": 12, "grpo": 18, "ppo": 40}  # the issue's peak-memory targets on the GPU
+TARGET_GB = {"dpo": 12, "grpo": 18, "ppo": 40, "grpo_qlora_7b": 16, "dpo_qlora_7b": 16}  # peak-memory targets on the GPU
+QLORA = dict(use_peft=True, load_in_4bit=True)
 
 # per stage: flags beyond --model/--dataset/--max_steps/--output_dir, and how many sequences
 # (prompt + completion) one optimizer step processes (for tokens/s)
@@ -51,6 +60,15 @@ STAGES = {
                  sequences=lambda f: f["batch_size"] * f["num_generations"]),
     "ppo": dict(flags=dict(batch_size=8, num_mini_batches=2, num_ppo_epochs=2, gradient_checkpointing=True, learning_rate=1e-6),
                 sequences=lambda f: f["batch_size"] * f["num_mini_batches"]),  # the rollout batch
+    # QLoRA on the 7B shape: a 4-bit base, LoRA r=16 adapters, the reference is the base with adapters off
+    "grpo_qlora_7b": dict(script="grpo", shape=QWEN25_7B,
+                          flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True, beta=0.04,
+                                     learning_rate=1e-5, **QLORA),
+                          sequences=lambda f: f["batch_size"] * f["num_generations"]),
+    "dpo_qlora_7b": dict(script="dpo", shape=QWEN25_7B,
+                         flags=dict(batch_size=4, eval_batch_size=8, gradient_checkpointing=True, learning_rate=5e-6,
+                                    **QLORA),
+                         sequences=lambda f: 2 * f["batch_size"]),
 }
 
 
@@ -70,7 +88,7 @@ def build_tokenizer(vocab_size):
                                    model_max_length=8192, padding_side="right", clean_up_tokenization_spaces=False)
 
 
-def build_models(workdir, shape, dtype):
+def build_models(workdir, shape, dtype, names=("policy", "reward")):
     """Policy (causal LM) and reward model (sequence classifier) folders with random weights."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
@@ -80,6 +98,8 @@ def build_models(workdir, shape, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = {}
     for name, cls, extra in (("policy", Qwen2ForCausalLM, {}), ("reward", Qwen2ForSequenceClassification, {"num_labels": 1})):
+        if name not in names:
+            continue
         path = paths[name] = os.path.join(workdir, name)
         if os.path.exists(os.path.join(path, "config.json")):
             continue
@@ -121,6 +141,7 @@ REWARD_FN = '''def reward(prompts, completions, **columns):
 def stage_command(stage, paths, data, args, prompt_len, completion_len, out):
     flags = dict(STAGES[stage]["flags"], model=paths["policy"], max_steps=args.steps, output_dir=out,
                  max_prompt_length=prompt_len, max_completion_length=completion_len, logging_steps=1, seed=0)
+    stage = STAGES[stage].get("script", stage)
     if stage == "dpo":
         flags.update(dataset=data["prefs"])
     else:
@@ -189,8 +210,12 @@ def main():
     workdir = args.workdir + ("_tiny" if args.tiny else "")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
-    paths, tok = build_models(workdir, shape, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    data = write_data(workdir, tok, prompt_len, completion_len, n=64)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    stages = args.stages.split(",")
+    paths, tok = build_models(workdir, shape, dtype)
+    if any(STAGES.get(s, {}).get("shape") is QWEN25_7B for s in stages):  # the policy only: QLoRA stages need no reward model
+        paths_7b, _ = build_models(os.path.join(workdir, "7b"), TINY if args.tiny else QWEN25_7B, dtype, names=("policy",))
+    data = write_data(workdir, tok, prompt_len, completion_len, n=64)  # w<i> words: in both vocabularies
     data["reward_fn"] = os.path.join(workdir, "reward_fn.py")
     with open(data["reward_fn"], "w") as f:
         f.write(REWARD_FN)
@@ -199,12 +224,13 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results = {"device": device, "shape": shape, "prompt_length": prompt_len, "completion_length": completion_len,
                "steps": args.steps, "stages": {}}
-    for stage in args.stages.split(","):
-        if not os.path.exists(os.path.join(ROOT, f"{stage}.py")):
-            results["stages"][stage] = {"error": f"{stage}.py does not exist"}
+    for stage in stages:
+        if stage not in STAGES:
+            results["stages"][stage] = {"error": f"unknown stage {stage}"}
             continue
         out = os.path.join(workdir, f"run_{stage}")
-        cmd, flags = stage_command(stage, paths, data, args, prompt_len, completion_len, out)
+        stage_paths = paths_7b if STAGES[stage].get("shape") is QWEN25_7B else paths
+        cmd, flags = stage_command(stage, stage_paths, data, args, prompt_len, completion_len, out)
         plan_gb, plan_text = plan_total_gb(cmd)
         rc, wall, stamps, rows = run_stage(cmd, out, out + ".log", args.stage_timeout)
         r = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "returncode": rc, "wall_seconds": wall,
@@ -224,6 +250,7 @@ def main():
             tokens = STAGES[stage]["sequences"](flags) * (prompt_len + sum(lengths) / len(lengths))
             r.update(seconds_per_step=step_s, tokens_per_second=tokens / step_s)
         r["target_gb"] = TARGET_GB[stage]
+        r["shape"] = STAGES[stage].get("shape", QWEN25_15B)
         results["stages"][stage] = r
         print(f"{stage}: rc {rc}, {wall:.0f} s, peak {r.get('peak_gb', float('nan')):.2f} GB "
               f"(plan {plan_gb} GB, target {TARGET_GB[stage]} GB), {r.get('tokens_per_second', float('nan')):.0f} tokens/s",
@@ -233,12 +260,12 @@ def main():
     with open(output + ".json", "w") as f:
         json.dump(results, f, indent=2)
     lines = [f"# GPU benchmark: {device}", "",
-             f"Qwen2.5-1.5B shape{' (TINY check)' if args.tiny else ''}, random weights, prompt {prompt_len} + "
+             f"Qwen2.5-1.5B shape (`*_qlora_7b`: Qwen2.5-7B shape){' (TINY check)' if args.tiny else ''}, random weights, prompt {prompt_len} + "
              f"completion {completion_len} tokens, {args.steps} steps per stage.", "",
              "| stage | peak GB (measured) | plan GB (--estimate_memory) | target GB | s/step | tokens/s | command |",
              "|---|---|---|---|---|---|---|"]
     for stage, r in results["stages"].items():
-        lines.append(f"| {stage} | {r.get('peak_gb', float('nan')):.2f} | {r.get('plan_total_gb')} | {TARGET_GB[stage]} | "
+        lines.append(f"| {stage} | {r.get('peak_gb', float('nan')):.2f} | {r.get('plan_total_gb')} | {TARGET_GB.get(stage)} | "
                      f"{r.get('seconds_per_step', float('nan')):.2f} | {r.get('tokens_per_second', float('nan')):.0f} | "
                      f"`{r.get('command', r.get('error', ''))}` |")
     with open(output + ".md", "w") as f:

@@ -4,7 +4,6 @@ position swap and ties, methods on the command line, and end-to-end runs on tiny
 judge, an LLM judge reusing the cached generations, and two methods of two runs each)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
