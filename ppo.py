@@ -51,11 +51,11 @@ import common
 import memory
 import parallel
 import sampling
-from common import TrainArgs
+from common import SamplingArgs
 
 
 @dataclass
-class Args(TrainArgs):
+class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
     reward_fn: str = field(default="", metadata={"help": "file.py:function (or 'gold') used instead of the reward model: fn(prompts, completions, **columns) -> list[float]."})
@@ -211,6 +211,31 @@ def on_device(model, device, offload):
     return model.to(device) if offload else model
 
 
+@torch.no_grad()
+def evaluate(policy, reward_model, reward_fn, reward_mean, tokenizer, eval_ds, args):
+    """--eval_dataset: eval_reward, the mean score of one greedy completion per held-out prompt,
+    scored as the rollout scores (centred reward model or --reward_fn; no EOS: -missing_eos_penalty)."""
+    device, offload = common.device(), torch.device("cpu") if args.offload_frozen else common.device()
+    columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
+    reward_model = on_device(reward_model, device, args.offload_frozen) if reward_model is not None else None
+    scores = []
+    for s in range(0, len(eval_ds), args.eval_batch_size):
+        raw = eval_ds["prompt"][s:s + args.eval_batch_size]
+        p_ids, p_mask = common.encode_prompts(tokenizer, [common.render_prompt(tokenizer, p) for p in raw], args.max_prompt_length)
+        p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+        c_ids, c_mask, truncated = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, do_sample=False)
+        if reward_fn is not None:
+            texts = sampling.decode_completions(tokenizer, c_ids, c_mask)
+            score = common.call_reward_fn(reward_fn, raw, sampling.reward_completions(raw, texts),
+                                          {k: v[s:s + args.eval_batch_size] for k, v in columns.items()})
+        else:
+            score = sampling.sequence_scores(reward_model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)).cpu() - reward_mean
+        scores.append(torch.where(truncated.cpu(), -args.missing_eos_penalty, score))
+    if reward_model is not None:
+        on_device(reward_model, offload, args.offload_frozen)
+    return {"eval_reward": float(torch.cat(scores).mean())}
+
+
 # ============================================================================ main
 def main():
     from transformers import AutoModelForSequenceClassification
@@ -239,6 +264,11 @@ def main():
     common.check_text(ds, ["prompt"], args.dataset)
     raw_prompts = ds["prompt"]
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
+    eval_ds = common.eval_data(args)
+    if eval_ds is not None:
+        common.require_columns(eval_ds, ["prompt"], args.eval_dataset, "PPO evaluates on prompt-only data.")
+        common.check_text(eval_ds, ["prompt"], args.eval_dataset)
+    common.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
 
     # ---- models: actor, reference, critic, reward
@@ -275,7 +305,7 @@ def main():
 
     # ---- loop
     pbar = common.progress(args, start_step, desc="ppo")
-    final = {}  # the last step's reward and KL, for summary.json
+    final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
@@ -286,7 +316,7 @@ def main():
         for s in range(0, rollout_batch, args.batch_size):
             c_ids, c_mask, truncated = sampling.generate(
                 policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
-                args.max_completion_length, temperature=args.temperature)
+                args.max_completion_length, temperature=args.temperature, **common.sampling_kwargs(args))
             chunks.append((c_ids, c_mask, truncated))
         width = max(c[0].shape[1] for c in chunks)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
@@ -355,21 +385,30 @@ def main():
                 grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
                 scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window), evaluate and save
+        lengths = mask.sum(1)
+        logger.update({
+            "reward": scores.mean(), "reward_std": scores.std(),
+            "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+            "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
+            "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
+            "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
+            "grad_norm": grad_norm, "step_time": time.time() - t0},
+            num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            lengths = mask.sum(1)
-            logger.log(step + 1, {
-                "reward": scores.mean(), "reward_std": scores.std(),
-                "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
-                "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
-                "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
-                "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
-                "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                "episode": (step + 1) * rollout_batch, "step_time": time.time() - t0}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch}, pbar)
+            if args.log_completions:
+                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"])
+                common.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
+                                       {"score": scores, "kl": kl.sum(1)})
+        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+            eval_metrics = evaluate(policy, reward_model, reward_fn, reward_mean, tokenizer, eval_ds, args)
+            logger.log_eval(step + 1, eval_metrics)
+            final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler, critic=critic))
-        final = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean())}
+        final.update(final_reward=float(scores.mean()), final_kl=float(kl.sum(1).mean()))
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation
