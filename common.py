@@ -461,16 +461,46 @@ def render_completion(tokenizer, prompt, completion):
     return full[len(head):]
 
 
+def render_turns(tokenizer, prompt, completion):
+    """The completion as [(text, trained), ...] segments after the rendered prompt (TRL's
+    assistant_only_loss): a string is one trained segment; messages alternate trained assistant
+    turns (as the chat template writes them, end-of-turn token included) and masked others
+    (user/tool turns and the next generation prompt). Joined, the texts are render_completion's."""
+    if isinstance(completion, str):
+        return [(completion, True)]
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    msgs = prompt + completion
+
+    def upto(k, gen):  # the conversation's first k messages, rendered
+        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **CHAT_TEMPLATE_KWARGS)
+
+    segments, done = [], upto(len(prompt), True)
+    for k in range(len(prompt), len(msgs)):
+        is_assistant = msgs[k]["role"] == "assistant"
+        # after an assistant turn, the text up to the next generation prompt (if one follows) is masked
+        nxt = upto(k + 1, not is_assistant and k + 1 < len(msgs) and msgs[k + 1]["role"] == "assistant")
+        if not nxt.startswith(done):
+            fail("the chat template does not render each turn as a prefix of the next; pass prompt/completion "
+                 "as plain strings instead.")
+        if len(nxt) > len(done):
+            segments.append((nxt[len(done):], is_assistant))
+        done = nxt
+    return segments
+
+
 def sft_pairs(ds, spec):
-    """(prompt, completion) pairs from TRL's SFT formats: prompt+completion, or messages
-    (the last assistant turn is the completion, everything before it the prompt)."""
+    """(prompt, completion) pairs from TRL's SFT formats: prompt+completion, or messages (the
+    prompt is everything before the first assistant turn, the completion the rest: every
+    assistant turn is trained, the turns between them masked; see render_turns)."""
     if "messages" in ds.column_names:
         check_text(ds, ["messages"], spec)
         pairs = []
         for i, msgs in enumerate(ds["messages"]):
-            if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or len(msgs) < 2:
-                fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn after at least one other turn.")
-            pairs.append((msgs[:-1], msgs[-1:]))
+            first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), 0) if is_conversational(msgs) else 0
+            if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
+                fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
+                     "at least one other turn before its first assistant turn.")
+            pairs.append((msgs[:first], msgs[first:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:
         fail(f"{dataset_name(spec)} is in the language-modelling format (a 'text' column); this project trains on "
@@ -537,6 +567,24 @@ def encode_completions(tokenizer, texts, max_length=None):
             ids = ids + [eos]
         seqs.append(ids[:max_length] if max_length else ids)
     return _pad(seqs, tokenizer.pad_token_id, left=False)
+
+
+def encode_turns(tokenizer, turns, max_length=None):
+    """encode_completions for completions given as render_turns segments: right-padded ids
+    (B, C), mask, and the loss mask (B, C): 1 on the tokens of trained segments and on EOS."""
+    eos = tokenizer.eos_token_id
+    seqs, trained = [], []
+    for segments in turns:
+        ids, train = [], []
+        for text, is_trained in segments:  # each segment encoded alone, as prompt and completion are
+            t = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, train = ids + t, train + [int(is_trained)] * len(t)
+        if not ids or ids[-1] != eos:
+            ids, train = ids + [eos], train + [1]
+        seqs.append(ids[:max_length] if max_length else ids)
+        trained.append(train[:max_length] if max_length else train)
+    ids, mask = _pad(seqs, tokenizer.pad_token_id, left=False)
+    return ids, mask, _pad(trained, 0, left=False)[0] * mask
 
 
 def _has_bos(tokenizer, text):
