@@ -36,6 +36,9 @@ Departures from the paper and from TRL:
   ~5e-7 for a pretrained model, as in the paper.
   Online samples at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
+--eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the
+held-out DPO loss, reward accuracy and margin against the reference (precomputed for it too).
+
 Run:
     python dpo.py                       # offline, embedded preference pairs -> runs/dpo
     python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online

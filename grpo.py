@@ -65,6 +65,7 @@ Run:
 """
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -275,6 +276,14 @@ def main():
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
+    # a config ported from TRL means other things by these two (README, "Coming from TRL")
+    if any(a.split("=")[0] == "--batch_size" for a in sys.argv[1:]):
+        print(f"grpo: note: --batch_size {args.batch_size} counts prompts, so a micro-batch holds {args.batch_size * G} "
+              f"completions (TRL's per_device_train_batch_size counts completions: use --batch_size "
+              f"{max(1, args.batch_size // G)} for TRL's {args.batch_size}).")
+    if args.loss_type == "cispo" and args.epsilon_high >= 1:
+        print(f"grpo: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
+              f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # each rank samples differently
     device = common.device()
