@@ -129,8 +129,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     rows i*n..(i+1)*n-1 are prompt i's (the layout of `repeat_interleave(n)`). Sampling is
     multinomial at `temperature`, optionally restricted by `top_k` / `top_p` / `min_p`, after
     `repetition_penalty` on the tokens seen so far (prompt and completion); `do_sample=False` is
-    greedy (the repetition penalty still applies, as in HF). Returns completion ids (B*n, C) with everything after the first EOS set to pad,
-    the mask (1 up to and including EOS), and `truncated` (B*n,): True where no EOS was produced.
+    greedy (the repetition penalty still applies, as in HF). Returns completion ids (B*n, C)
+    with everything after the first EOS set to pad, the mask (1 up to and including EOS), and
+    `truncated` (B*n,): True where no EOS was produced.
     """
     was_training = model.training
     model.eval()
