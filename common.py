@@ -145,7 +145,7 @@ def parse_args(cls):
             fail(f"--report_to {args.report_to} needs the {module} package: pip install {module} (or drop --report_to).")
     if args.num_train_epochs < 0 or args.save_total_limit < 0 or args.eval_steps < 0:
         fail("--num_train_epochs, --save_total_limit and --eval_steps must be >= 0.")
-    if args.num_train_epochs and any(a.split("=")[0] == "--max_steps" for a in sys.argv[1:]):
+    if args.num_train_epochs and passed("max_steps"):
         fail("pass --num_train_epochs or --max_steps, not both (--num_train_epochs sets the number of steps).")
     if args.eval_steps and not (args.eval_dataset or getattr(args, "test_size", 0)):  # reward.py holds out --test_size
         fail(f"--eval_steps {args.eval_steps} needs --eval_dataset (held-out data in --dataset's format).")
@@ -164,6 +164,11 @@ def parse_args(cls):
         if getattr(args, name) < 1:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
     return args
+
+
+def passed(name):
+    """Whether --name (or --name=..., --name-with-dashes) is on the command line."""
+    return any(a.startswith("--") and a[2:].split("=")[0].replace("-", "_") == name for a in sys.argv[1:])
 
 
 def check_choice(flag, value, choices):

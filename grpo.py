@@ -65,7 +65,6 @@ Run:
 """
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -277,7 +276,7 @@ def main():
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
     # a config ported from TRL means other things by these two (README, "Coming from TRL")
-    if any(a.split("=")[0] == "--batch_size" for a in sys.argv[1:]):
+    if common.passed("batch_size"):
         print(f"grpo: note: --batch_size {args.batch_size} counts prompts, so a micro-batch holds {args.batch_size * G} "
               f"completions (TRL's per_device_train_batch_size counts completions: use --batch_size "
               f"{max(1, args.batch_size // G)} for TRL's {args.batch_size}).")
