@@ -27,6 +27,7 @@ import world
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
+
 def _quiet_transformers():
     """transformers' load reports and "Loading weights" bars would interleave with the scripts'
     own lines; its errors still show."""
@@ -64,6 +65,7 @@ class ModelArgs:
 class TrainArgs(ModelArgs):
     """The command-line contract shared by every training script (TRL's names where TRL has one)."""
 
+    # evaluation
     eval_dataset: str = field(default="", metadata={"help": "Held-out data in --dataset's format (a file, or a Hub name: its 'test' split), evaluated every --eval_steps and at the end (eval_* metrics)."})
     eval_steps: int = field(default=0, metadata={"help": "Evaluate on --eval_dataset every this many steps (0: at the end only)."})
     # optimisation
