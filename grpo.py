@@ -15,7 +15,7 @@ and clip-higher) plus a per-token k3 estimate of KL(pi || pi_ref), weighted by b
     kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                         (DeepSeekMath Eq. 4)
     l_t  = -(s_t - beta kl_t), aggregated over tokens by --loss_type          (DeepSeekMath Eq. 3)
 
-GSPO (`--importance_sampling_level sequence`, Zheng et al. 2025, Eq. 7): the same objective
+GSPO (`--importance_sampling_level sequence`, Zheng et al. 2025): the same objective
 with one ratio per completion in place of r_t, the geometric mean of its token ratios,
 
     s_i = (pi(y_i | x) / pi_old(y_i | x))^(1/|y_i|) = exp( 1/|y_i| sum_t (logp_t - old_logp_t) )
@@ -25,10 +25,10 @@ not a different algorithm: advantages, KL and aggregation stay as above.
 
 Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normaliser):
     dr_grpo  sum_i sum_t l_t / (N * max_completion_length)                (Liu et al. 2025)
-    dapo     sum_i sum_t l_t / (tokens of the optimizer batch)             (Yu et al. 2025, Eq. 8)
+    dapo     sum_i sum_t l_t / (tokens of the optimizer batch)             (Yu et al. 2025, Sec. 3.3)
     bnpo     sum_i sum_t l_t / (tokens of the micro-batch), mean over micro-batches (TRL's bnpo)
     cispo    l_t = -sg(min(r_t, 1 + epsilon_high)) A log pi(y_t) + beta kl_t, dapo's normaliser
-             (MiniMax-M1, Chen et al. 2025, Eq. 4: the IS weight is clipped, never the token's
+             (MiniMax-M1 technical report, 2025: the IS weight is clipped, never the token's
              gradient; no lower bound, as in the paper)
 
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
@@ -135,7 +135,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
     num_tokens = num_tokens or mask.sum().clamp(min=1)
     adv = advantages[:, None]  # (N, 1): every token of y_i gets A_i
 
-    # the importance ratio: per token (GRPO), or per completion (GSPO, Zheng et al. 2025, Eq. 7)
+    # the importance ratio: per token (GRPO), or per completion (GSPO, Zheng et al. 2025)
     epsilon_high = args.epsilon_high or args.epsilon
     log_ratio = logprobs - old_logprobs  # (N, C)
     if getattr(args, "importance_sampling_level", "token") == "sequence":
@@ -143,7 +143,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))  # (N, 1)
     ratio = torch.exp(log_ratio)  # (N, C), or (N, 1) for GSPO
     if args.loss_type == "cispo":
-        # CISPO (MiniMax-M1 Eq. 4): the clipped IS weight, detached, times log pi; every token keeps its gradient
+        # CISPO (MiniMax-M1, 2025): the clipped IS weight, detached, times log pi; every token keeps its gradient
         per_token_loss = -torch.clamp(ratio, max=1 + epsilon_high).detach() * adv * logprobs  # (N, C)
     else:
         # clipped surrogate with clip-higher (PPO Eq. 7; DAPO Sec. 3.1)

@@ -71,7 +71,7 @@ def _batch(seed=0, N=8, C=7):
 
 
 def _transcribed(logprobs, old, ref, adv, mask, a, micro_batches=1):
-    """GSPO (Zheng et al. 2025, Eq. 7), CISPO (MiniMax-M1, Eq. 4) and the bnpo / dapo / grpo
+    """GSPO (Zheng et al. 2025), CISPO (MiniMax-M1 technical report) and the bnpo / dapo / grpo
     normalisers, token by token in plain Python."""
     N, C = logprobs.shape
     rows = []  # (sum over tokens of l_t, number of tokens) per completion
