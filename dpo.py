@@ -280,6 +280,9 @@ def main():
         common.fail(f"--beta must be positive, got {args.beta}.")
     if (args.reward_model or args.reward_fn) and not args.online:
         common.fail("--reward_model and --reward_fn label online samples; add --online.")
+    sampling_flags = [f for f in ("top_p", "top_k", "min_p", "repetition_penalty", "log_completions") if common.passed(f)]
+    if sampling_flags and not args.online:
+        common.fail(f"--{', --'.join(sampling_flags)} shape or show online samples; add --online.")
     if args.reward_model and args.reward_fn:
         common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
