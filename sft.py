@@ -46,7 +46,7 @@ class Args(TrainArgs):
 
 
 def sft_loss(logprobs, completion_mask, num_tokens):
-    """Negative log-likelihood, mean over trained completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
+    """Negative log-likelihood, mean over trained tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
     `completion_mask` is the loss mask: 1 on trained tokens (all of a completion; of a
     conversation, its assistant turns).
 
