@@ -105,7 +105,8 @@ def _transcribed(logprobs, old, ref, adv, mask, a, micro_batches=1):
                                              ("cispo", "token"), ("cispo", "sequence")])
 def test_gspo_bnpo_cispo_match_their_equations(loss_type, level):
     a = _args(loss_type=loss_type, importance_sampling_level=level)
-    logprobs, old, ref, adv, mask = _batch()
+    logprobs, old, ref, adv, mask = _batch(2)
+    assert mask[:4].sum() != mask[4:].sum()  # micro-batches of unequal token counts: bnpo differs from dapo
     loss, _ = grpo.grpo_loss(logprobs, old, ref, adv, mask, a)
     assert math.isclose(float(loss), _transcribed(logprobs, old, ref, adv, mask, a), rel_tol=1e-5, abs_tol=1e-6)
     # two micro-batches with the whole batch's normalisers: bnpo is the mean of their token means
