@@ -939,7 +939,7 @@ def training_state(step, optimizer, scheduler, **stateful):
     rngs = [rng_state()]
     if parallel.world_size() > 1:
         rngs = [None] * parallel.world_size()
-        torch.parallel.all_gather_object(rngs, rng_state())
+        torch.distributed.all_gather_object(rngs, rng_state())
     optim = optimizer.state_dict()  # its per-parameter dicts are the live state: copy, never edit them
     optim["state"] = {i: {k: v.full_tensor().cpu() if parallel.is_sharded_param(v) else v for k, v in s.items()}
                       for i, s in optim["state"].items()}
