@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -27,14 +28,27 @@ import world_arith
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
+
+def _quiet_transformers():
+    """transformers' load reports and "Loading weights" bars would interleave with the scripts'
+    own lines; its errors still show."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+_quiet_transformers()
+
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
+CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 
 
 # ============================================================================ arguments
 @dataclass
-class TrainArgs:
-    """The command-line contract shared by every training script (TRL's names where TRL has one)."""
+class ModelArgs:
+    """The flags of every script that loads a model (eval.py's base); TrainArgs adds training's."""
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
@@ -45,8 +59,20 @@ class TrainArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the Hub (off: only transformers' own code runs)."})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32."})
     attn_implementation: str = field(default="auto", metadata={"help": "auto (flash_attention_2 if importable on CUDA, else sdpa where the architecture supports it, else eager) | sdpa | eager | flash_attention_2."})
+    chat_template_kwargs: str = field(default="", metadata={"help": "JSON object of extra arguments for the chat template wherever prompts are rendered, e.g. '{\"enable_thinking\": false}' (Qwen3)."})
+    eval_batch_size: int = field(default=64, metadata={"help": "Prompts per generation batch when scoring the test split."})
+
+
+@dataclass
+class TrainArgs(ModelArgs):
+    """The command-line contract shared by every training script (TRL's names where TRL has one)."""
+
+    # evaluation
+    eval_dataset: str = field(default="", metadata={"help": "Held-out data in --dataset's format (a file, or a Hub name: its 'test' split), evaluated every --eval_steps and at the end (eval_* metrics)."})
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate on --eval_dataset every this many steps (0: at the end only)."})
     # optimisation
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps; more than one pass over the data cycles through it again."})
+    num_train_epochs: float = field(default=0.0, metadata={"help": "Passes over --dataset; sets --max_steps from the dataset size (0: --max_steps decides)."})
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
     lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Any transformers scheduler name: constant_with_warmup, linear, cosine, ..."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
@@ -68,13 +94,33 @@ class TrainArgs:
     # logging and saving
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
     save_steps: int = field(default=0, metadata={"help": "Save <output_dir>/checkpoint-<step>/ every this many steps (0: final save only)."})
-    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb (imported only when asked)."})
-    eval_batch_size: int = field(default=64, metadata={"help": "Prompts per generation batch when scoring the test split."})
+    save_total_limit: int = field(default=0, metadata={"help": "Keep only the newest this-many checkpoints, deleting older ones after each successful save (0: keep all)."})
+    report_to: str = field(default="none", metadata={"help": "none | tensorboard (pip install tensorboard) | wandb (pip install wandb); imported only when asked."})
     estimate_memory: bool = field(default=False, metadata={"help": "Print the memory plan per component for these settings (reads only the model's config.json) and exit."})
     # resume and parallelism
     resume: bool = field(default=False, metadata={"help": "Continue from the newest <output_dir>/checkpoint-<step>/ (starts fresh, saying so, if there is none)."})
     resume_from_checkpoint: str = field(default="", metadata={"help": "Continue from this checkpoint folder."})
     parallel: str = field(default="ddp", metadata={"help": "Under torchrun: ddp (weights replicated, gradients averaged) | fsdp2 (decoder layers sharded with fully_shard)."})
+
+
+@dataclass
+class SamplingArgs(TrainArgs):
+    """TrainArgs plus the sampling knobs and sample logging of the scripts that generate
+    (grpo.py, ppo.py, dpo.py --online), with TRL's names and meanings."""
+
+    # generation
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (1: off). Log-probs stay those of the tempered, unfiltered policy, as in TRL."})
+    top_k: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: off)."})
+    min_p: float = field(default=0.0, metadata={"help": "Drop tokens less probable than min_p times the most probable one (Nguyen et al. 2024; 0: off)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Divide positive (multiply negative) logits of tokens already in the prompt or completion by this (HF's; 1: off)."})
+    # logging
+    log_completions: bool = field(default=False, metadata={"help": "Every --logging_steps, print a table of a few prompts, their sampled completions and rewards, and append them to <output_dir>/completions.jsonl."})
+    num_completions_to_print: int = field(default=4, metadata={"help": "Rows of that table (all of them go to completions.jsonl)."})
+
+
+def sampling_kwargs(args):
+    """The sampling knobs of a SamplingArgs, as keyword arguments of sampling.generate."""
+    return {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
 
 
 def script_name():
@@ -86,12 +132,40 @@ def parse_args(cls):
     """Parse the command line into the script's Args dataclass; fill the output folder."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(cls).parse_args_into_dataclasses()
+    parser = HfArgumentParser(cls)
+    for action in parser._actions:  # an empty default reads as nothing, not "(default: )"
+        if action.default == "" and action.help:
+            action.help += "%(default)s"
+    (args,) = parser.parse_args_into_dataclasses()
     args.output_dir = args.output_dir or os.path.join("runs", script_name())
-    check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
     check_choice("--dtype", args.dtype, ["auto", "bfloat16", "float16", "float32"])
-    check_choice("--report_to", args.report_to, ["none", "tensorboard", "wandb"])
     check_choice("--attn_implementation", args.attn_implementation, ["auto", "sdpa", "eager", "flash_attention_2"])
+    try:
+        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    except json.JSONDecodeError as e:
+        fail(f"--chat_template_kwargs {args.chat_template_kwargs!r} is not valid JSON ({e.msg}); e.g. '{{\"enable_thinking\": false}}'.")
+    if not isinstance(kwargs, dict):
+        fail(f"--chat_template_kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}', got {args.chat_template_kwargs!r}.")
+    CHAT_TEMPLATE_KWARGS.clear()
+    CHAT_TEMPLATE_KWARGS.update(kwargs)
+    if not isinstance(args, TrainArgs):
+        return args
+    check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
+    check_choice("--report_to", args.report_to, ["none", "tensorboard", "wandb"])
+    if args.report_to != "none":  # before anything loads, not after the models did
+        module = "tensorboard" if args.report_to == "tensorboard" else "wandb"
+        if importlib.util.find_spec(module) is None:
+            fail(f"--report_to {args.report_to} needs the {module} package: pip install {module} (or drop --report_to).")
+    if args.num_train_epochs < 0 or args.save_total_limit < 0 or args.eval_steps < 0:
+        fail("--num_train_epochs, --save_total_limit and --eval_steps must be >= 0.")
+    if args.num_train_epochs and passed("max_steps"):
+        fail("pass --num_train_epochs or --max_steps, not both (--num_train_epochs sets the number of steps).")
+    if args.eval_steps and not (args.eval_dataset or getattr(args, "test_size", 0)):  # reward.py holds out --test_size
+        fail(f"--eval_steps {args.eval_steps} needs --eval_dataset (held-out data in --dataset's format).")
+    if isinstance(args, SamplingArgs) and not (0 < args.top_p <= 1 and args.top_k >= 0 and 0 <= args.min_p < 1
+                                               and args.repetition_penalty > 0 and args.num_completions_to_print >= 0):
+        fail("--top_p must be in (0, 1], --top_k >= 0, --min_p in [0, 1), --repetition_penalty > 0, "
+             "--num_completions_to_print >= 0.")
     check_choice("--parallel", args.parallel, ["ddp", "fsdp2"])
     if args.parallel == "fsdp2" and args.optim == "adamw_8bit":
         fail("--parallel fsdp2 needs --optim adamw: bitsandbytes' 8-bit AdamW cannot step FSDP2's sharded "
@@ -137,10 +211,9 @@ def apply_defaults(args, embedded):
     (TRL's values where TRL has them); `embedded` holds the values tuned for the embedded world's
     tiny policy, used when --model is that policy (`is_embedded_policy`). A flag given on the
     command line always wins. Prints which set applies; args.json records the values used."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
     if is_embedded_policy(args.model):
         for name, value in embedded.items():
-            if name not in given:
+            if not passed(name):
                 setattr(args, name, value)
         which = "the embedded world"
     else:
@@ -150,6 +223,11 @@ def apply_defaults(args, embedded):
     if parallel.is_main():
         print(f"{script_name()}: defaults for {which}: {shown} (flags you pass win)")
     return args
+
+
+def passed(name):
+    """Whether --name (or --name=..., --name-with-dashes) is on the command line."""
+    return any(a.startswith("--") and a[2:].split("=")[0].replace("-", "_") == name for a in sys.argv[1:])
 
 
 def check_choice(flag, value, choices):
@@ -486,6 +564,19 @@ def training_data(args, world_split):
     return load_data(args.dataset, args.dataset_split)
 
 
+def set_max_steps(args, num_examples, examples_per_step):
+    """--num_train_epochs E (TRL's): max_steps = ceil(E * examples / examples per optimizer step)."""
+    if args.num_train_epochs:
+        args.max_steps = max(1, math.ceil(args.num_train_epochs * num_examples / examples_per_step))
+        print(f"{script_name()}: --num_train_epochs {args.num_train_epochs:g} over {num_examples} examples, "
+              f"{examples_per_step} per step: {args.max_steps} steps")
+
+
+def eval_data(args):
+    """--eval_dataset (a file, or a Hub name's 'test' split), or None when not given."""
+    return load_data(args.eval_dataset, "test") if args.eval_dataset else None
+
+
 def check_jsonl(path):
     with open(path) as f:
         n = 0
@@ -550,7 +641,7 @@ def render_prompt(tokenizer, prompt):
         return prompt
     if not tokenizer.chat_template:
         fail("conversational data needs a tokenizer with a chat template; this one has none.")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **CHAT_TEMPLATE_KWARGS)
 
 
 def render_completion(tokenizer, prompt, completion):
@@ -559,24 +650,54 @@ def render_completion(tokenizer, prompt, completion):
     if isinstance(completion, str):
         return completion
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **CHAT_TEMPLATE_KWARGS)
+    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False, **CHAT_TEMPLATE_KWARGS)
     if not full.startswith(head):
         fail("the chat template does not render the prompt as a prefix of prompt + completion; "
              "pass prompt/completion as plain strings instead.")
     return full[len(head):]
 
 
+def render_turns(tokenizer, prompt, completion):
+    """The completion as [(text, trained), ...] segments after the rendered prompt (TRL's
+    assistant_only_loss): a string is one trained segment; messages alternate trained assistant
+    turns (as the chat template writes them, end-of-turn token included) and masked others
+    (user/tool turns and the next generation prompt). Joined, the texts are render_completion's."""
+    if isinstance(completion, str):
+        return [(completion, True)]
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    msgs = prompt + completion
+
+    def upto(k, gen):  # the conversation's first k messages, rendered
+        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **CHAT_TEMPLATE_KWARGS)
+
+    segments, done = [], upto(len(prompt), True)
+    for k in range(len(prompt), len(msgs)):
+        is_assistant = msgs[k]["role"] == "assistant"
+        # after an assistant turn, the text up to the next generation prompt (if one follows) is masked
+        nxt = upto(k + 1, not is_assistant and k + 1 < len(msgs) and msgs[k + 1]["role"] == "assistant")
+        if not nxt.startswith(done):
+            fail("the chat template does not render each turn as a prefix of the next; pass prompt/completion "
+                 "as plain strings instead.")
+        if len(nxt) > len(done):
+            segments.append((nxt[len(done):], is_assistant))
+        done = nxt
+    return segments
+
+
 def sft_pairs(ds, spec):
-    """(prompt, completion) pairs from TRL's SFT formats: prompt+completion, or messages
-    (the last assistant turn is the completion, everything before it the prompt)."""
+    """(prompt, completion) pairs from TRL's SFT formats: prompt+completion, or messages (the
+    prompt is everything before the first assistant turn, the completion the rest: every
+    assistant turn is trained, the turns between them masked; see render_turns)."""
     if "messages" in ds.column_names:
         check_text(ds, ["messages"], spec)
         pairs = []
         for i, msgs in enumerate(ds["messages"]):
-            if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or len(msgs) < 2:
-                fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn after at least one other turn.")
-            pairs.append((msgs[:-1], msgs[-1:]))
+            first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), 0) if is_conversational(msgs) else 0
+            if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
+                fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
+                     "at least one other turn before its first assistant turn.")
+            pairs.append((msgs[:first], msgs[first:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:
         fail(f"{dataset_name(spec)} is in the language-modelling format (a 'text' column); this project trains on "
@@ -646,6 +767,26 @@ def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):
             ids = ids + [eos]
         seqs.append(ids[:max_length] if max_length else ids)
     return _pad(seqs, tokenizer.pad_token_id, left=False)
+
+
+def encode_turns(tokenizer, turns, max_length=None, stop_ids=None):
+    """encode_completions for completions given as render_turns segments: right-padded ids
+    (B, C), mask, and the loss mask (B, C): 1 on the tokens of trained segments and on EOS
+    (added unless the text already ends with one of `stop_ids`, as in encode_completions)."""
+    eos = tokenizer.eos_token_id
+    stops = set(stop_ids or [eos])
+    seqs, trained = [], []
+    for segments in turns:
+        ids, train = [], []
+        for text, is_trained in segments:  # each segment encoded alone, as prompt and completion are
+            t = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, train = ids + t, train + [int(is_trained)] * len(t)
+        if not ids or ids[-1] not in stops:
+            ids, train = ids + [eos], train + [1]
+        seqs.append(ids[:max_length] if max_length else ids)
+        trained.append(train[:max_length] if max_length else train)
+    ids, mask = _pad(seqs, tokenizer.pad_token_id, left=False)
+    return ids, mask, _pad(trained, 0, left=False)[0] * mask
 
 
 def _has_bos(tokenizer, text):
@@ -768,18 +909,26 @@ def gold_eval(model, tokenizer, args, max_new_tokens=48, n=None):
 # ============================================================================ logging
 class MetricsLogger:
     """metrics.jsonl (one JSON object per logged step, each with `step`), the console, and an
-    optional tracker (tensorboard / wandb, imported only when --report_to asks for it)."""
+    optional tracker (tensorboard / wandb, imported only when --report_to asks for it).
+
+    Every step, `update(metrics, num_tokens)` adds that step's metrics to the logging window;
+    every --logging_steps, `log(step, metrics)` writes the window's mean (key by key, as TRL
+    logs) plus `metrics` (values of that moment, e.g. the learning rate) and `num_tokens`, the
+    tokens (prompt + completion) trained on since the start of the run, cumulative as in TRL.
+    """
 
     def __init__(self, args, start_step=0):
         os.makedirs(args.output_dir, exist_ok=True)
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.tracker = None
+        self.window, self.num_tokens, self.num_tokens_before = [], 0, 0
         if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
             return
         kept = []
         if start_step and os.path.exists(self.path):  # resuming: keep the lines up to the checkpoint
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= start_step]
+        self.num_tokens_before = max([json.loads(line).get("num_tokens", 0) for line in kept] or [0])
         with open(self.path, "w") as f:
             f.writelines(kept)
         if args.report_to == "tensorboard":
@@ -791,8 +940,28 @@ class MetricsLogger:
 
             self.tracker = wandb.init(config=vars(args), dir=args.output_dir)
 
-    def log(self, step, metrics, pbar=None):
-        """Under torchrun, numbers are averaged over ranks first: call it on every rank."""
+    def update(self, metrics, num_tokens=0):
+        """One step's metrics into the logging window; `num_tokens` this rank trained on in it."""
+        self.window.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or torch.is_tensor(v)})
+        self.num_tokens += int(num_tokens)
+
+    def log(self, step, metrics=None, pbar=None):
+        """Write the window's mean plus `metrics`, then start a new window. Under torchrun,
+        numbers are averaged over ranks first (num_tokens summed): call it on every rank."""
+        metrics = {**window_mean(self.window), **(metrics or {})}
+        if self.num_tokens or self.num_tokens_before:
+            metrics["num_tokens"] = self.num_tokens
+        self.window = []
+        self._write(step, metrics, pbar)
+
+    def log_eval(self, step, metrics):
+        """Held-out metrics (eval_*): their own line in metrics.jsonl, printed to the console."""
+        metrics = self._write(step, metrics)
+        if metrics is not None:
+            tqdm.write(f"{script_name()}: step {step}: " + ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+    def _write(self, step, metrics, pbar=None):
         metrics = {k: (float(v) if torch.is_tensor(v) else v) for k, v in metrics.items()}
         if parallel.world_size() > 1:
             keys = [k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -800,8 +969,12 @@ class MetricsLogger:
                 means = parallel.all_reduce(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
                 metrics.update({k: int(m) if isinstance(metrics[k], int) and m == int(m) else m
                                 for k, m in zip(keys, means.tolist())})
+                if "num_tokens" in metrics:  # a sum over ranks, not a mean
+                    metrics["num_tokens"] = round(metrics["num_tokens"] * parallel.world_size())
             if not parallel.is_main():
-                return
+                return None
+        if "num_tokens" in metrics:
+            metrics["num_tokens"] += self.num_tokens_before
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if pbar is not None:
@@ -812,10 +985,43 @@ class MetricsLogger:
                     self.tracker.add_scalar(k, v, step)
         elif self.tracker is not None:
             self.tracker.log(metrics, step=step)
+        return metrics
 
     def close(self):
         if self.tracker is not None:
             self.tracker.close() if hasattr(self.tracker, "add_scalar") else self.tracker.finish()
+
+
+def window_mean(rows):
+    """Key-by-key mean of metric dicts, each key over the rows that have it."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+
+
+def log_completions(args, step, prompts, completions, rewards):
+    """--log_completions: a table of the first --num_completions_to_print (prompt, completion,
+    rewards) on the console; every row appended to <output_dir>/completions.jsonl. `rewards` is
+    {name: one value per completion}; prompts are the dataset's (text or messages)."""
+    if not parallel.is_main():
+        return
+    rows = [{"step": step, "prompt": p, "completion": c, **{k: float(v[i]) for k, v in rewards.items()}}
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+    with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def cell(x, width, tail=False):  # one line; a prompt shows its end, a completion its start
+        text = " ".join((x[-1]["content"] if is_conversational(x) else str(x)).split())
+        if len(text) > width:
+            text = "..." + text[3 - width:] if tail else text[:width - 3] + "..."
+        return text.ljust(width)
+
+    names = list(rewards)
+    header = f"{'prompt (end)':<40} | {'completion':<50} | " + " | ".join(f"{n[:12]:>12}" for n in names)
+    lines = [f"{script_name()}: completions at step {step}", header, "-" * len(header)]
+    for r in rows[:args.num_completions_to_print]:
+        lines.append(f"{cell(r['prompt'], 40, tail=True)} | {cell(r['completion'], 50)} | "
+                     + " | ".join(f"{r[n]:>12.4g}" for n in names))
+    tqdm.write("\n".join(lines))
 
 
 def progress(args, start=0, desc=None):
@@ -836,7 +1042,19 @@ def save_checkpoint(model, tokenizer, args, folder, state=None):
     state_dict = parallel.full_state_dict(model) if parallel.is_sharded(model) else None  # FSDP2: gather (collective)
     if parallel.is_main():
         _save_folder(model, tokenizer, args, folder, state, state_dict)
+        if getattr(args, "save_total_limit", 0):
+            delete_old_checkpoints(args.output_dir, args.save_total_limit)
     parallel.barrier()
+
+
+def delete_old_checkpoints(output_dir, limit):
+    """--save_total_limit: keep the newest `limit` complete checkpoint-<step> folders, after a
+    successful save (so a crash while saving never leaves fewer than `limit` whole ones)."""
+    import re
+
+    steps = sorted(int(m.group(1)) for n in os.listdir(output_dir) if (m := re.fullmatch(r"checkpoint-(\d+)", n)))
+    for step in steps[:-limit]:
+        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{step}"))
 
 
 def _save_folder(model, tokenizer, args, folder, state, state_dict):

@@ -36,6 +36,9 @@ Departures from the paper and from TRL:
   the noisy labels lower its greedy gold score), 3e-4 online, and online samples of 48 tokens at
   temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
+--eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the
+held-out DPO loss, reward accuracy and margin against the reference (precomputed for it too).
+
 Run:
     python dpo.py                       # offline, embedded preference pairs -> runs/dpo
     python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
@@ -55,11 +58,11 @@ import common
 import memory
 import parallel
 import sampling
-from common import TrainArgs
+from common import SamplingArgs
 
 
 @dataclass
-class Args(TrainArgs):
+class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Chosen/rejected completions are cut to their first this-many tokens (EOS included)."})
@@ -190,7 +193,8 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     """Two samples per prompt from the current policy, labelled by the judge.
 
     Returns the batch (prompt ids, completion ids with chosen first, masks) of the non-tied
-    prompts, or None when every pair tied, plus the judge's metrics.
+    prompts, or None when every pair tied, the judge's metrics, and (prompts, texts, scores)
+    of every sample for --log_completions.
     """
     texts = [common.render_prompt(tokenizer, p) for p in prompts]
     prompt_ids, prompt_mask = common.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
@@ -198,7 +202,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     # rows 2i and 2i+1 are the two samples of prompt i
     completion_ids, completion_mask, truncated = sampling.generate(
         model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
-        num_return_sequences=2)  # (2B, C)
+        num_return_sequences=2, **common.sampling_kwargs(args))  # (2B, C)
     texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
@@ -213,12 +217,46 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     metrics = {"objective/scores": scores.mean(),
                "objective/scores_margin": (scores.max(0).values - scores.min(0).values)[keep].mean() if keep.any() else 0.0,
                "val/contain_eos_token": 1 - truncated.float().mean(), "ties": int((~keep).sum())}
+    samples = (prompts2, texts, scores.t().reshape(-1))  # scores back in the samples' order
     if not keep.any():
-        return None, metrics
+        return None, metrics, samples
     pick = torch.cat([chosen, rejected]).to(completion_ids.device)  # (2B',): chosen first
     keep = keep.to(prompt_ids.device)
     return {"prompt_ids": prompt_ids[keep], "prompt_mask": prompt_mask[keep],
-            "completion_ids": completion_ids[pick], "completion_mask": completion_mask[pick]}, metrics
+            "completion_ids": completion_ids[pick], "completion_mask": completion_mask[pick]}, metrics, samples
+
+
+@torch.no_grad()
+def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
+    """--eval_dataset: the DPO loss, reward accuracy and margin on held-out pairs (dropout off).
+    The reference log-probs come from `eval_ref` (precomputed, (N, 2)) or from `ref_model`."""
+    prompts, chosen, rejected = eval_texts
+    was_training = model.training
+    model.eval()
+    out = []
+    for i in range(0, len(prompts), args.eval_batch_size):
+        s = slice(i, i + args.eval_batch_size)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        if eval_ref is not None:
+            ref_chosen_logps, ref_rejected_logps = eval_ref[s].to(batch["prompt_ids"].device).unbind(1)
+        else:
+            ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
+        chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)
+        out.append(torch.stack(dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                        args.beta, args.loss_type, args.label_smoothing), 1).cpu())  # (b, 3)
+    model.train(was_training)
+    losses, chosen_rewards, rejected_rewards = torch.cat(out).unbind(1)
+    return {"eval_loss": float(losses.mean()), "eval_rewards/chosen": float(chosen_rewards.mean()),
+            "eval_rewards/rejected": float(rejected_rewards.mean()),
+            "eval_rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
+            "eval_rewards/margins": float((chosen_rewards - rejected_rewards).mean())}
+
+
+def render_triples(tokenizer, triples):
+    """(prompt, chosen, rejected) rows -> three lists of texts, through the chat template."""
+    return ([common.render_prompt(tokenizer, p) for p, _, _ in triples],
+            [common.render_completion(tokenizer, p, c) for p, c, _ in triples],
+            [common.render_completion(tokenizer, p, r) for p, _, r in triples])
 
 
 # ------------------------------------------------------------------------ main
@@ -247,6 +285,9 @@ def main():
         common.fail(f"--beta must be positive, got {args.beta}.")
     if (args.reward_model or args.reward_fn) and not args.online:
         common.fail("--reward_model and --reward_fn label online samples; add --online.")
+    sampling_flags = [f for f in ("top_p", "top_k", "min_p", "repetition_penalty", "log_completions") if common.passed(f)]
+    if sampling_flags and not args.online:
+        common.fail(f"--{', --'.join(sampling_flags)} shape or show online samples; add --online.")
     if args.reward_model and args.reward_fn:
         common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
@@ -272,20 +313,23 @@ def main():
         common.check_readable(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
     else:
         triples = common.preference_triples(ds, args.dataset)
-        prompts = [common.render_prompt(tokenizer, p) for p, _, _ in triples]
-        chosen = [common.render_completion(tokenizer, p, c) for p, c, _ in triples]
-        rejected = [common.render_completion(tokenizer, p, r) for p, _, r in triples]
+        prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
         common.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
+    eval_ds = common.eval_data(args)  # held-out preference pairs, online too
+    eval_texts = render_triples(tokenizer, common.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
+    common.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
     print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
     # ---- the reference: precomputed log-probs (offline, one model), a frozen copy (two models), or
     # with --use_peft the policy's own base with its adapters off (one model)
-    ref_model, ref_cache, judge_model = None, None, None
+    ref_model, ref_cache, eval_ref, judge_model = None, None, None, None
     if not args.online and args.precompute_ref_logps:
         ref_cache = precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args)  # (N, 2)
+        if eval_texts:
+            eval_ref = precompute_ref_logps(model, tokenizer, *eval_texts, args)  # (N_eval, 2)
     else:
         ref_model = common.reference_of(model, args)
     if args.online:
@@ -310,8 +354,9 @@ def main():
 
     # ---- loop
     pbar = common.progress(args, start_step, desc="dpo")
+    final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
-        rows = []
+        rows, num_tokens = [], 0
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
             idx = parallel.shard(common.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
@@ -319,8 +364,8 @@ def main():
             # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online)
             stats = {}
             if args.online:
-                batch, stats = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
-                                            {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
+                batch, stats, samples = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
+                                                     {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
                 if batch is None:  # every pair tied: nothing to learn from this micro-batch
                     rows.append(stats)
                     continue
@@ -345,6 +390,7 @@ def main():
                 loss = loss + args.rpo_alpha * nll
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
+            num_tokens += 2 * int(batch["prompt_mask"].sum()) + int(batch["completion_mask"].sum())
             rows.append({"loss": loss.detach(), "rewards/chosen": chosen_rewards.mean(),
                          "rewards/rejected": rejected_rewards.mean(),
                          "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
@@ -356,14 +402,21 @@ def main():
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window), evaluate and save
+        trained = [r for r in rows if "loss" in r]
+        metrics = common.mean_metrics(trained) if trained else {}
+        if args.online:  # judge metrics also count micro-batches that were all ties
+            metrics.update(common.mean_metrics([{k: r[k] for k in stats} for r in rows]))
+            metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
+        final = {f"final_{k}": float(metrics[k]) for k in ("loss", "rewards/accuracies", "rewards/margins") if k in metrics}
+        logger.update({**metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            trained = [r for r in rows if "loss" in r]
-            metrics = common.mean_metrics(trained) if trained else {}
-            if args.online:  # judge metrics also count micro-batches that were all ties
-                metrics.update(common.mean_metrics([{k: r[k] for k in stats} for r in rows]))
-                metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
-            logger.log(step + 1, {**metrics, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0]}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
+            if args.online and args.log_completions:
+                common.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
+        if eval_texts and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+            eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args)
+            logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler))
@@ -371,7 +424,7 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes()}
+    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics}
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

@@ -55,9 +55,9 @@ Departures and choices:
   prompts at a 70% win rate: by under 1 point, far inside the CI);
 - the embedded world's test split is always the world of seed 0 (as in common.gold_eval), so
   --seed changes the sampling and the bootstrap, never the prompts;
-- generations are cached in --cache_dir, keyed by the policy (path and weight files' size and
-  modification time), the rendered prompts and the generation settings, so a re-run with
-  another judge does not generate again.
+- generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
+  and weight files' size and modification time), the rendered prompts and the generation
+  settings, so a re-run with another judge does not generate again.
 
 Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
@@ -83,7 +83,7 @@ import torch
 import common
 import sampling
 import world
-from common import TrainArgs
+from common import ModelArgs
 
 REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
 CI_LEVEL = 0.95
@@ -95,7 +95,7 @@ JUDGE_TEMPLATE = (
 
 
 @dataclass
-class Args(TrainArgs):
+class Args(ModelArgs):
     # model and data
     policies: list[str] = field(default_factory=list, metadata={"help": "Policies to compare (also accepted as bare arguments: python eval.py runs/sft runs/dpo): a folder or Hub id, or NAME=PATTERN[,PATTERN...], a method whose runs (training seeds) are the folders matching the glob patterns (quote them: 'grpo=runs/seed*/grpo'). The first is the Elo anchor."})
     model: str = field(default="", metadata={"help": "Unused: pass the policies as arguments (python eval.py runs/sft runs/dpo)."})
@@ -103,7 +103,7 @@ class Args(TrainArgs):
     prompt_column: str = field(default="prompt", metadata={"help": "Column of --dataset holding the prompts (text or {role, content} messages)."})
     reference_column: str = field(default="reference", metadata={"help": "Column of reference responses, compared against when present ('' to ignore)."})
     num_prompts: int = field(default=0, metadata={"help": "Evaluate on the first this-many prompts (0: all)."})
-    cache_dir: str = field(default="runs/eval_cache", metadata={"help": "Where generations are cached (a re-run with another judge reuses them)."})
+    cache_dir: str = field(default="", metadata={"help": "Where generations are cached (a re-run with another judge reuses them); empty: <output_dir>/cache."})
     # generation
     max_completion_length: int = field(default=48, metadata={"help": "Tokens generated per response (48, as in common.gold_eval)."})
     do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy decoding (seeded with --seed, the same for every policy)."})
@@ -645,6 +645,7 @@ def main():
     n_bare = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
     sys.argv[1:] = (["--policies", *argv[:n_bare]] if n_bare else []) + argv[n_bare:]
     args = common.parse_args(Args)
+    args.cache_dir = args.cache_dir or os.path.join(args.output_dir, "cache")
     if args.model:
         common.fail("eval.py takes the policies as arguments: python eval.py runs/sft runs/dpo [--flags].")
     if not args.policies:

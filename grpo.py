@@ -15,6 +15,22 @@ and clip-higher) plus a per-token k3 estimate of KL(pi || pi_ref), weighted by b
     kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                         (DeepSeekMath Eq. 4)
     l_t  = -(s_t - beta kl_t), aggregated over tokens by --loss_type          (DeepSeekMath Eq. 3)
 
+GSPO (`--importance_sampling_level sequence`, Zheng et al. 2025): the same objective
+with one ratio per completion in place of r_t, the geometric mean of its token ratios,
+
+    s_i = (pi(y_i | x) / pi_old(y_i | x))^(1/|y_i|) = exp( 1/|y_i| sum_t (logp_t - old_logp_t) )
+
+used for every token of y_i (so the clip keeps or drops whole completions). A different ratio,
+not a different algorithm: advantages, KL and aggregation stay as above.
+
+Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normaliser):
+    dr_grpo  sum_i sum_t l_t / (N * max_completion_length)                (Liu et al. 2025)
+    dapo     sum_i sum_t l_t / (tokens of the optimizer batch)             (Yu et al. 2025, Sec. 3.3)
+    bnpo     sum_i sum_t l_t / (tokens of the micro-batch), mean over micro-batches (TRL's bnpo)
+    cispo    l_t = -sg(min(r_t, 1 + epsilon_high)) A log pi(y_t) + beta kl_t, dapo's normaliser
+             (MiniMax-M1 technical report, 2025: the IS weight is clipped, never the token's
+             gradient; no lower bound, as in the paper)
+
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
 default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
 a reward model saved by reward.py (`--reward_model runs/reward`), a user function
@@ -63,7 +79,7 @@ import common
 import memory
 import parallel
 import sampling
-from common import TrainArgs
+from common import SamplingArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0
 # what the embedded world's tiny policy needs instead of the pretrained defaults (see the docstring)
@@ -72,7 +88,7 @@ EMBEDDED_DEFAULTS = {"learning_rate": 5e-5, "temperature": 0.7, "max_completion_
 
 
 @dataclass
-class Args(TrainArgs):
+class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
@@ -89,7 +105,8 @@ class Args(TrainArgs):
     epsilon_high: float = field(default=0.0, metadata={"help": "Upper clip 1 + epsilon_high (DAPO clip-higher, e.g. 0.28); 0: same as --epsilon."})
     dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip c > 1: for A < 0 the objective is bounded below by c*A; 0 disables."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy. log pi_old comes from the first update's forward, so reuse costs no extra pass."})
-    loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the batch)."})
+    loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the optimizer batch) | bnpo (token mean over each micro-batch) | cispo (clipped IS weight times log-prob, MiniMax-M1)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one ratio per completion, the geometric mean of its token ratios (GSPO, Zheng et al. 2025)."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, batch with a --reward_model, else group."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
     # optimisation
@@ -127,14 +144,23 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
     num_tokens = num_tokens or mask.sum().clamp(min=1)
     adv = advantages[:, None]  # (N, 1): every token of y_i gets A_i
 
-    # clipped surrogate with clip-higher (PPO Eq. 7; DAPO Sec. 3.1)
+    # the importance ratio: per token (GRPO), or per completion (GSPO, Zheng et al. 2025)
     epsilon_high = args.epsilon_high or args.epsilon
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, C)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - args.epsilon, 1 + epsilon_high) * adv)
-    # dual clip (Ye et al. 2020): for A < 0 a huge ratio would give an unbounded loss; cap it at c*A
-    if args.dual_clip_c:
-        surrogate = torch.where(adv < 0, torch.max(surrogate, args.dual_clip_c * adv), surrogate)
-    per_token_loss = -surrogate  # (N, C)
+    log_ratio = logprobs - old_logprobs  # (N, C)
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
+        # s_i = exp(1/|y_i| sum_t log_ratio_t): the geometric mean of the token ratios, for every token
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))  # (N, 1)
+    ratio = torch.exp(log_ratio)  # (N, C), or (N, 1) for GSPO
+    if args.loss_type == "cispo":
+        # CISPO (MiniMax-M1, 2025): the clipped IS weight, detached, times log pi; every token keeps its gradient
+        per_token_loss = -torch.clamp(ratio, max=1 + epsilon_high).detach() * adv * logprobs  # (N, C)
+    else:
+        # clipped surrogate with clip-higher (PPO Eq. 7; DAPO Sec. 3.1)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - args.epsilon, 1 + epsilon_high) * adv)
+        # dual clip (Ye et al. 2020): for A < 0 a huge ratio would give an unbounded loss; cap it at c*A
+        if args.dual_clip_c:
+            surrogate = torch.where(adv < 0, torch.max(surrogate, args.dual_clip_c * adv), surrogate)
+        per_token_loss = -surrogate  # (N, C)
 
     # k3 estimator of KL(pi || pi_ref), unbiased and >= 0 (DeepSeekMath Eq. 4; Schulman 2020)
     kl = None
@@ -149,7 +175,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
         loss = per_seq.sum() / num_sequences
     elif args.loss_type == "dr_grpo":  # Dr. GRPO (Liu et al. 2025): a constant G * max_len normaliser
         loss = (per_token_loss * mask).sum() / (num_sequences * args.max_completion_length)
-    else:  # dapo (Yu et al. 2025, Sec. 3.3): every token of the batch weighs the same
+    elif args.loss_type == "bnpo":  # TRL's bnpo: a token mean per micro-batch, averaged over micro-batches
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
+    else:  # dapo (Yu et al. 2025, Sec. 3.3) and cispo: every token of the optimizer batch weighs the same
         loss = (per_token_loss * mask).sum() / num_tokens
 
     # metrics: fractions of tokens where each clip binds (TRL's clip_ratio/*), mean KL
@@ -159,7 +187,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
 
         low = (ratio < 1 - args.epsilon) & (adv < 0)
         high = (ratio > 1 + epsilon_high) & (adv > 0)
-        dual = (ratio > args.dual_clip_c) & (adv < 0) if args.dual_clip_c else torch.zeros_like(low)
+        if args.loss_type == "cispo":  # the weight is capped whatever the sign of A; nothing else clips
+            low, high = torch.zeros_like(low), ratio > 1 + epsilon_high
+        dual = (ratio > args.dual_clip_c) & (adv < 0) if args.dual_clip_c and args.loss_type != "cispo" else torch.zeros_like(low)
         metrics = {"clip_ratio": masked_mean(low | high), "clip_ratio/low_mean": masked_mean(low),
                    "clip_ratio/high_mean": masked_mean(high), "clip_ratio/dual_mean": masked_mean(dual)}
         if kl is not None:
@@ -215,6 +245,20 @@ def score(rewards, prompts, texts, columns, args):
     return torch.stack(out, 1)  # (N, K)
 
 
+@torch.no_grad()
+def evaluate(model, tokenizer, eval_ds, rewards, weights, args):
+    """--eval_dataset: the mean reward (under this run's weighted rewards) of one greedy
+    completion per held-out prompt, and each source's mean."""
+    raw = eval_ds["prompt"]
+    prompts = [common.render_prompt(tokenizer, p) for p in raw]
+    texts, _ = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length, args.eval_batch_size,
+                                     do_sample=False)
+    columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
+    per_source = score(rewards, raw, texts, columns, args)  # (N, K)
+    return {"eval_reward": float((per_source * weights).sum(1).mean()),
+            **{f"eval_rewards/{r['name']}/mean": float(per_source[:, k].mean()) for k, r in enumerate(rewards)}}
+
+
 # ============================================================================ main
 def main():
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
@@ -224,7 +268,8 @@ def main():
                           train_sequences=args.batch_size * args.num_generations,
                           generation_sequences=args.batch_size * args.num_generations,
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
-    common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo"])
+    common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
+    common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
     common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
     if args.scale_rewards == "auto":
         # a reward model's within-group noise must not be scaled up to full-size advantages (docstring)
@@ -240,6 +285,14 @@ def main():
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
+    # a config ported from TRL means other things by these two (README, "Coming from TRL")
+    if common.passed("batch_size"):
+        print(f"grpo: note: --batch_size {args.batch_size} counts prompts, so a micro-batch holds {args.batch_size * G} "
+              f"completions (TRL's per_device_train_batch_size counts completions: use --batch_size "
+              f"{max(1, args.batch_size // G)} for TRL's {args.batch_size}).")
+    if args.loss_type == "cispo" and args.epsilon_high >= 1:
+        print(f"grpo: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
+              f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # each rank samples differently
     device = common.device()
@@ -249,6 +302,13 @@ def main():
     common.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
     common.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
+    eval_ds = common.eval_data(args)
+    if eval_ds is not None:
+        common.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
+        common.check_text(eval_ds, ["prompt"], args.eval_dataset)
+    # --num_train_epochs: each rollout of batch_size prompts (per micro-batch) serves num_iterations steps
+    common.set_max_steps(args, len(ds) * args.num_iterations,
+                         args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
 
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -265,7 +325,7 @@ def main():
     common.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
     print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
-          f"(weights {weights.tolist()}, --scale_rewards {args.scale_rewards}), "
+          f"(weights {[round(w, 6) for w in weights.tolist()]}, --scale_rewards {args.scale_rewards}), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.batch_size} x {G} completions per micro-batch, device {device}")
 
@@ -278,10 +338,11 @@ def main():
     # ---- loop
     start = time.time()
     pbar = common.progress(args, start_step, desc="grpo")
+    eval_metrics = {}  # the last --eval_dataset evaluation, for summary.json
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
         if step % args.num_iterations == 0:
-            batches, rollout_metrics = [], []
+            batches, rollout_metrics, samples = [], [], []
             for micro in range(args.gradient_accumulation_steps):
                 # this rank's prompts of the global batch; the step is the position in the data
                 idx = parallel.shard(common.batch_indices(
@@ -293,7 +354,7 @@ def main():
                 # here and in every log-prob pass below (sampling.completion_logprobs shares it)
                 completion_ids, completion_mask, truncated = sampling.generate(
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                    num_return_sequences=G)
+                    num_return_sequences=G, **common.sampling_kwargs(args))
                 texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
 
                 # 2. score every completion with every reward source, then the weighted sum
@@ -315,6 +376,7 @@ def main():
                     "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
                 })
+                samples.append((group, texts, rewards_per_source, reward, advantages))
                 if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
                     completion_mask = completion_mask * (~truncated[:, None]).long()
 
@@ -330,6 +392,7 @@ def main():
             # normalisers of the whole optimizer batch, so accumulated micro-batches sum to one loss
             num_sequences = sum(b["completion_ids"].shape[0] for b in batches)
             num_tokens = sum(b["completion_mask"].sum() for b in batches).clamp(min=1)
+            rollout_tokens = sum(int(b["prompt_mask"].sum()) * G + int(b["completion_mask"].sum()) for b in batches)
 
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
@@ -355,12 +418,21 @@ def main():
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window), evaluate and save
+        metrics = common.mean_metrics(step_metrics)
+        metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
+        logger.update({**common.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm},
+                      num_tokens=rollout_tokens)  # prompt + completion tokens trained on in this step
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            metrics = common.mean_metrics(step_metrics)
-            metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
-            logger.log(step + 1, {**common.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm,
-                                  "learning_rate": scheduler.get_last_lr()[0], "num_tokens": int(num_tokens)}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
+            if args.log_completions:
+                group, texts, per_source, reward, advantages = samples[-1]
+                common.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
+                    **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
+                    "advantage": advantages})
+        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+            eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, args)
+            logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler))
@@ -371,7 +443,7 @@ def main():
     common.save_final(model, tokenizer, args)
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
-               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {})}
+               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

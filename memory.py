@@ -377,7 +377,7 @@ def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
     if critic is not None:
         components.update({**weights(critic, "critic"), "critic gradients": [p.grad for p in critic.parameters()],
                            "critic optimizer states": (optimizer, critic)})
-    components.update(frozen or {})
+    components.update({k: c for k, c in (frozen or {}).items() if c is not None and not (isinstance(c, list) and not c)})  # absent: no row
     measured, complete = {}, True
     for name, c in components.items():
         if isinstance(c, tuple):  # (optimizer, module): the states of that module's parameters only

@@ -60,14 +60,14 @@ import common
 import memory
 import parallel
 import sampling
-from common import TrainArgs
+from common import SamplingArgs
 
 # what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)
 EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_size": 64, "gradient_accumulation_steps": 1}
 
 
 @dataclass
-class Args(TrainArgs):
+class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
     reward_fn: str = field(default="", metadata={"help": "file.py:function (or 'gold') used instead of the reward model: fn(prompts, completions, **columns) -> list[float]."})
@@ -235,6 +235,29 @@ def on_device(model, device, offload):
     return model.to(device) if offload and model is not None else model
 
 
+@torch.no_grad()
+def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args):
+    """--eval_dataset: eval_reward, the mean score of one greedy completion per held-out prompt,
+    scored as the rollout scores (centred reward model or --reward_fn; no EOS: -missing_eos_penalty)."""
+    device, offload = common.device(), torch.device("cpu") if args.offload_frozen else common.device()
+    columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
+    reward_model = on_device(reward_model, device, args.offload_frozen) if reward_model is not None else None
+    scores = []
+    for s in range(0, len(eval_ds), args.eval_batch_size):
+        raw = eval_ds["prompt"][s:s + args.eval_batch_size]
+        p_ids, p_mask = common.encode_prompts(tokenizer, [common.render_prompt(tokenizer, p) for p in raw], args.max_prompt_length)
+        p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+        c_ids, c_mask, truncated = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, do_sample=False)
+        texts = sampling.decode_completions(tokenizer, c_ids, c_mask, truncated)
+        with common.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
+            scored = score(reward_fn, reward_model, rm_tokenizer, raw, texts,
+                           {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, args).cpu() - reward_mean
+        scores.append(torch.where(truncated.cpu(), -args.missing_eos_penalty, scored))
+    if reward_model is not None:
+        on_device(reward_model, offload, args.offload_frozen)
+    return {"eval_reward": float(torch.cat(scores).mean())}
+
+
 # ============================================================================ main
 def main():
     from transformers import AutoModelForSequenceClassification
@@ -268,6 +291,11 @@ def main():
     common.check_text(ds, ["prompt"], args.dataset)
     raw_prompts = ds["prompt"]
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
+    eval_ds = common.eval_data(args)
+    if eval_ds is not None:
+        common.require_columns(eval_ds, ["prompt"], args.eval_dataset, "PPO evaluates on prompt-only data.")
+        common.check_text(eval_ds, ["prompt"], args.eval_dataset)
+    common.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
 
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
@@ -307,7 +335,7 @@ def main():
 
     # ---- loop
     pbar = common.progress(args, start_step, desc="ppo")
-    final = {}  # the last step's reward and KL, for summary.json
+    final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
@@ -318,7 +346,7 @@ def main():
         for s in range(0, rollout_batch, args.batch_size):
             c_ids, c_mask, truncated = sampling.generate(
                 policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
-                args.max_completion_length, temperature=args.temperature)
+                args.max_completion_length, temperature=args.temperature, **common.sampling_kwargs(args))
             chunks.append((c_ids, c_mask, truncated))
         width = max(c[0].shape[1] for c in chunks)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
@@ -384,21 +412,30 @@ def main():
                 grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
                 scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window), evaluate and save
+        lengths = mask.sum(1)
+        logger.update({
+            "reward": scores.mean(), "reward_std": scores.std(),
+            "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+            "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
+            "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
+            "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
+            "grad_norm": grad_norm, "step_time": time.time() - t0},
+            num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            lengths = mask.sum(1)
-            logger.log(step + 1, {
-                "reward": scores.mean(), "reward_std": scores.std(),
-                "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
-                "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
-                "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
-                "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
-                "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                "episode": (step + 1) * rollout_batch, "step_time": time.time() - t0}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch}, pbar)
+            if args.log_completions:
+                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
+                common.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
+                                       {"score": scores, "kl": kl.sum(1)})
+        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+            eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args)
+            logger.log_eval(step + 1, eval_metrics)
+            final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler, critic=critic))
-        final = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean())}
+        final.update(final_reward=float(scores.mean()), final_kl=float(kl.sum(1).mean()))
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation

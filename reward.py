@@ -131,6 +131,7 @@ def main():
         train_ds, test_ds = ds.select(perm[n_test:]), ds.select(perm[:n_test])
         test_triples = common.preference_triples(test_ds, args.dataset)
     train_triples = common.preference_triples(train_ds, args.dataset)
+    common.set_max_steps(args, len(train_triples), args.batch_size * args.gradient_accumulation_steps)
 
     # ---- model: the policy's trunk with a fresh scalar head
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -165,9 +166,10 @@ def main():
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window) and save
+        logger.update({**common.mean_metrics(rows), "grad_norm": grad_norm})
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            metrics = {**common.mean_metrics(rows), "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
+            metrics = {"learning_rate": scheduler.get_last_lr()[0]}
             if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
                 ev, _, _ = evaluate(model, tokenizer, test_triples, args)
                 metrics.update({f"eval_{k}": v for k, v in ev.items()})

@@ -209,16 +209,18 @@ def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
 # ============================================================================ generation
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0,
-             top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1):
+             top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1, min_p=0.0, repetition_penalty=1.0):
     """Sample `num_return_sequences` (n) completions per prompt; stop at any stop token
     (`stop_token_ids`: the tokenizer's EOS and the generation config's).
 
     A plain decoding loop over the model's key/value cache -- HF `generate`'s sampling, without
     its processors: each prompt is prefilled once and its cache repeated for its n samples, so
     rows i*n..(i+1)*n-1 are prompt i's (the layout of `repeat_interleave(n)`). Sampling is
-    multinomial at `temperature`, optionally restricted by `top_k` / `top_p`; `do_sample=False`
-    is greedy. Returns completion ids (B*n, C) with everything after the first stop token set to
-    pad, the mask (1 up to and including it), and `truncated` (B*n,): True where none was produced.
+    multinomial at `temperature`, optionally restricted by `top_k` / `top_p` / `min_p`, after
+    `repetition_penalty` on the tokens seen so far (prompt and completion); `do_sample=False` is
+    greedy (the repetition penalty still applies, as in HF). Returns completion ids (B*n, C) with
+    everything after the first stop token set to pad, the mask (1 up to and including it), and
+    `truncated` (B*n,): True where none was produced.
     """
     was_training = model.training
     model.eval()
@@ -233,11 +235,17 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     mask = prompt_mask.repeat_interleave(n, 0)
     next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    seen = None  # (B*n, V) tokens already in each row, for the repetition penalty
+    if repetition_penalty != 1.0:
+        seen = logits.new_zeros(logits.shape).scatter_add_(1, prompt_ids.repeat_interleave(n, 0), mask.float()) > 0
     sharded = parallel.is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
     tokens = []
     for t in range(max_new_tokens):
-        token = _next_token(logits, temperature, top_p, top_k, do_sample).masked_fill(done, pad)  # (B*n,)
+        token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen)
+        token = token.masked_fill(done, pad)  # (B*n,)
         tokens.append(token)
+        if seen is not None:
+            seen[torch.arange(len(token), device=token.device), token] = True
         done |= torch.isin(token, stops)
         finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
         if finished or t + 1 == max_new_tokens:
@@ -259,9 +267,14 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     return completion[:, :width], completion_mask[:, :width], truncated
 
 
-def _next_token(logits, temperature, top_p, top_k, do_sample):
+def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetition_penalty=1.0, seen=None):
     """One token per row from next-token logits (B, V): greedy, or sampled at `temperature`
-    from the top-k tokens and the smallest set whose probability reaches top_p."""
+    from the top-k tokens, the smallest set whose probability reaches top_p, and the tokens at
+    least min_p times as probable as the most probable one (Nguyen et al. 2024). First, the
+    repetition penalty (Keskar et al. 2019, as HF applies it): the logit of every token in
+    `seen` (B, V) is divided by the penalty where positive, multiplied where negative."""
+    if seen is not None:
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
     if not do_sample:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -273,6 +286,9 @@ def _next_token(logits, temperature, top_p, top_k, do_sample):
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # tokens after the nucleus is full (the first always stays)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 
 

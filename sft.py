@@ -2,14 +2,15 @@
 
 Maximises log pi(y | x) of demonstration completions y given prompts x; prompt tokens are masked
 out of the loss (TRL's `completion_only_loss`). The loss is the mean over completion tokens of
-the micro-batch, as in TRL.
+the micro-batch, as in TRL. `messages` rows train on every assistant turn, the user (and other)
+turns between them masked (TRL's `assistant_only_loss`).
 
 Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
   on the embedded TL;DR world (world.py) with its word vocabulary, which is what the tests and
   `make demo` run; on any other --dataset (the arithmetic world, a .jsonl) with a character- or
   word-level tokenizer fitted to the training text (--scratch_tokenizer).
-- `messages` rows train on the last assistant turn only (everything before it is the prompt).
+- `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
 
@@ -55,13 +56,35 @@ class Args(TrainArgs):
 
 
 def sft_loss(logprobs, completion_mask, num_tokens):
-    """Negative log-likelihood, mean over completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
+    """Negative log-likelihood, mean over trained tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
+    `completion_mask` is the loss mask: 1 on trained tokens (all of a completion; of a
+    conversation, its assistant turns).
 
     `num_tokens` is this micro-batch's token count, averaged over ranks under torchrun: the
     ranks' averaged loss (and gradient) is then the mean over every token of the global batch,
     exactly what one process with the whole batch computes.
     """
     return -(logprobs * completion_mask).sum() / num_tokens.clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, pairs, args):
+    """--eval_dataset: the loss (mean NLL over every trained token) on held-out pairs, dropout off."""
+    was_training, device = model.training, common.device()
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(pairs), args.eval_batch_size):
+        chunk = pairs[i:i + args.eval_batch_size]
+        prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [common.render_prompt(tokenizer, p) for p, _ in chunk],
+                                                        args.max_prompt_length)
+        completion_ids, completion_mask, loss_mask = common.encode_turns(
+            tokenizer, [common.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length)
+        logprobs = sampling.completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
+                                                completion_ids.to(device), completion_mask.to(device))
+        total -= float((logprobs * loss_mask.to(device)).sum())
+        count += int(loss_mask.sum())
+    model.train(was_training)
+    return total / max(count, 1)
 
 
 def main():
@@ -101,8 +124,12 @@ def main():
 
     # ---- the (prompt, completion) pairs rendered to text
     prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
-    completions = [common.render_completion(tokenizer, p, c) for p, c in pairs]
+    turns = [common.render_turns(tokenizer, p, c) for p, c in pairs]  # [(text, trained), ...] per example
+    completions = ["".join(t for t, _ in segments) for segments in turns]
     common.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
+    eval_ds = common.eval_data(args)
+    eval_pairs = common.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
+    common.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
     print(f"sft: {len(pairs)} examples from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
@@ -129,7 +156,7 @@ def main():
 
     # ---- loop
     pbar = common.progress(args, start_step, desc="sft")
-    losses = []  # stays empty when resuming a run that had already finished
+    losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
         losses, n_tokens = [], 0
         for micro in range(args.gradient_accumulation_steps):
@@ -137,26 +164,29 @@ def main():
             idx = parallel.shard(common.batch_indices(len(pairs), global_batch, args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
-            completion_ids, completion_mask = common.encode_completions(
-                tokenizer, [completions[i] for i in idx], args.max_completion_length, stop_ids)
+            completion_ids, completion_mask, loss_mask = common.encode_turns(
+                tokenizer, [turns[i] for i in idx], args.max_completion_length, stop_ids)
             prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-            completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
+            completion_ids, completion_mask, loss_mask = completion_ids.to(device), completion_mask.to(device), loss_mask.to(device)
 
             logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
-            rank_tokens = parallel.all_reduce(completion_mask.sum().float())  # mean over ranks (see sft_loss)
-            loss = sft_loss(logprobs, completion_mask, rank_tokens)
+            rank_tokens = parallel.all_reduce(loss_mask.sum().float())  # mean over ranks (see sft_loss)
+            loss = sft_loss(logprobs, loss_mask, rank_tokens)
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             losses.append(loss.detach())
-            n_tokens += round(float(rank_tokens) * parallel.world_size())
+            n_tokens += int(prompt_mask.sum() + completion_mask.sum())  # this rank's input tokens (TRL's num_tokens)
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
-        # ---- log and save
+        # ---- log (means over the --logging_steps window), evaluate and save
+        logger.update({"loss": torch.stack(losses).mean(), "grad_norm": grad_norm}, num_tokens=n_tokens)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            logger.log(step + 1, {"loss": torch.stack(losses).mean(), "grad_norm": grad_norm,
-                                  "learning_rate": scheduler.get_last_lr()[0], "num_tokens": n_tokens}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
+        if eval_pairs and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+            eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args)}
+            logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler))
@@ -165,7 +195,7 @@ def main():
     logger.close()
     common.save_final(model, tokenizer, args)
     summary = {"final_loss": parallel.all_reduce(torch.stack(losses).mean()).item() if losses else None,
-               **truncated, **init}
+               **truncated, **init, **eval_metrics}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))

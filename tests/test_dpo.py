@@ -209,7 +209,8 @@ def test_online_end_to_end_with_a_reward_function(tmp_path, tiny_qwen):
 
 def _online_args(**kw):
     base = dict(max_prompt_length=512, max_new_tokens=6, temperature=1.0, eval_batch_size=64, loss_type="sigmoid",
-                reward_model="", reward_fn="", dtype="float32", attn_implementation="sdpa", trust_remote_code=False)
+                reward_model="", reward_fn="", dtype="float32", attn_implementation="sdpa", trust_remote_code=False,
+                top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -225,7 +226,7 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
 
     torch.manual_seed(0)
     rl_prompts, posts = list(rl["prompt"]), list(rl["post"])
-    batch, stats = dpo.sample_pairs(model, tok, rl_prompts, {"post": posts}, judge, _online_args())
+    batch, stats, samples = dpo.sample_pairs(model, tok, rl_prompts, {"post": posts}, judge, _online_args())
     prompts, completions, columns = calls[0]
     twice = [p for p in rl_prompts for _ in (0, 1)]  # the two samples of a prompt are adjacent rows
     assert prompts == twice and columns["post"] == [p for p in posts for _ in (0, 1)]
@@ -233,6 +234,7 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     n = 8 - stats["ties"]
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
     prompt_ids, completion_ids, completion_mask = batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"]
+    assert samples[0] == twice and samples[2].tolist() == judge(prompts, completions, columns).tolist()  # --log_completions
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
     last = completion_ids.gather(1, completion_mask.sum(1, keepdim=True) - 1).squeeze(1)  # EOS unless truncated
     texts = dpo.sampling.decode_completions(tok, completion_ids, completion_mask, last != tok.eos_token_id)
