@@ -218,8 +218,11 @@ def make_optimizer(model, args):
     if args.optim == "adamw_8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(params, **kw)
-    return torch.optim.AdamW(params, **kw)
+        optimizer = bnb.optim.AdamW8bit(params, **kw)
+    else:
+        optimizer = torch.optim.AdamW(params, **kw)
+    optimizer.param_groups[0]["rounding_seed"] = getattr(args, "seed", 0)  # see rounding_generator
+    return optimizer
 
 
 def make_scheduler(optimizer, args):
@@ -232,12 +235,24 @@ def make_scheduler(optimizer, args):
 SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in optimizer_step (256 MB of fp32 weights)
 
 
-def stochastic_round_(target, source):
+def stochastic_round_(target, source, generator=None):
     """Copy fp32 `source` into bf16 `target`, rounding up with probability equal to the
-    fraction of the bf16 ulp that round-down would lose (Gupta et al. 2015)."""
+    fraction of the bf16 ulp that round-down would lose (Gupta et al. 2015). The noise comes
+    from `generator` (default: the global RNG)."""
     bits = source.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=bits.device)
     target.copy_(((bits + noise) & -65536).view(torch.float32))  # dropping 16 low bits is exact
+
+
+def rounding_generator(optimizer, device):
+    """The noise of this optimizer step's stochastic rounding: a generator seeded from the run's
+    seed and the step (both kept in the optimizer's param groups, so they travel with its
+    state_dict), never from the global RNG, which differs between ranks (seed + rank): every
+    rank then rounds its replica of a weight the same way, and replicas stay bit-identical."""
+    group = optimizer.param_groups[0]
+    group["rounding_step"] = group.get("rounding_step", 0) + 1
+    seed = group.get("rounding_seed", 0) * 1_000_003 + group["rounding_step"]
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @torch.no_grad()
@@ -264,6 +279,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
         p.grad = None
     optimizer.step()  # full-precision parameters (and none of the bf16 ones) step here
     optimizer.zero_grad(set_to_none=True)
+    generator = rounding_generator(optimizer, low[0].device)  # the same noise on every rank
     bucket, numel = [], 0
     for i, p in enumerate(low):
         bucket.append(p)
@@ -275,7 +291,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
             p.data, p.grad = p.data.float(), grads.pop(p).float()
         optimizer.step()
         for p, h in zip(bucket, half):
-            stochastic_round_(h, p.data)
+            stochastic_round_(h, p.data, generator)
             p.data, p.grad = h, None
         bucket, numel = [], 0
     return grad_norm
@@ -722,11 +738,16 @@ def training_state(step, optimizer, scheduler, **stateful):
     rngs = [rng_state()]
     if parallel.world_size() > 1:
         rngs = [None] * parallel.world_size()
-        torch.parallel.all_gather_object(rngs, rng_state())
+        torch.distributed.all_gather_object(rngs, rng_state())
     optim = optimizer.state_dict()  # its per-parameter dicts are the live state: copy, never edit them
     optim["state"] = {i: {k: v.full_tensor().cpu() if parallel.is_sharded_param(v) else v for k, v in s.items()}
                       for i, s in optim["state"].items()}
+    # FSDP2 trains bf16 layers as fp32 shards, and the saved model is rounded to bf16: keep the
+    # fp32 weights the run trains, so a resumed run continues from them
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = [p.detach().full_tensor().cpu() if parallel.is_sharded_param(p) else None for p in params]
     return {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
+            **({"master_weights": masters} if any(m is not None for m in masters) else {}),
             **{name: obj.state_dict() for name, obj in stateful.items()}}
 
 
@@ -759,6 +780,17 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
             if parallel.is_sharded_param(params[i]) and torch.is_tensor(v) and v.shape == params[i].shape:
                 s[k] = distribute_tensor(v.to(params[i].device), params[i].device_mesh, params[i].placements)
     optimizer.load_state_dict(state["optimizer"])
+    # load_state_dict casts floating-point states to their parameter's dtype (fp32 moments of bf16
+    # weights to bf16, which optimizer_step cannot step): give them back the dtype they were saved in
+    for i, s in state["optimizer"]["state"].items():
+        live = optimizer.state[params[i]]
+        for k, v in s.items():
+            if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].dtype != v.dtype:
+                live[k] = v.to(live[k].device)
+    for p, master in zip(params, state.get("master_weights", [])):  # FSDP2: the fp32 shards, unrounded
+        if master is not None:
+            with torch.no_grad():
+                p.copy_(distribute_tensor(master.to(p.device, p.dtype), p.device_mesh, p.placements))
     scheduler.load_state_dict(state["scheduler"])
     for name, obj in stateful.items():
         obj.load_state_dict(state[name])

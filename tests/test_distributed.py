@@ -96,3 +96,107 @@ def test_grpo_runs_under_torchrun(tmp_path, tiny_qwen):
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["clip_ratio"] == 0
     assert os.path.exists(os.path.join(out, "checkpoint-2", "trainer_state.pt"))
     assert json.load(open(os.path.join(out, "summary.json")))["gold_score"] <= 1
+
+
+# ------------------------------------------------------------------ in-process ranks (torch.multiprocessing + gloo)
+def _spawn(fn, *args, nproc=2):
+    """Run fn(*args) on `nproc` gloo ranks joined through parallel.init_distributed; an assertion
+    on any rank fails the test. Cheaper than torchrun + a whole script."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(nproc, port, fn, args), nprocs=nproc)
+
+
+def _rank_main(rank, nproc, port, fn, args):
+    import torch.distributed as dist
+
+    import parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nproc))
+    torch.set_num_threads(1)
+    parallel.init_distributed()
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_equal(t):
+    """Whether every rank holds exactly this tensor (and how many entries differ on rank 0)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return int(sum((p != parts[0]).sum() for p in parts))
+
+
+def _bf16_ranks(tmp, tiny_qwen):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import parallel
+
+    def args(optim, par="ddp"):
+        return SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, optim=optim, lr_scheduler_type="constant",
+                               warmup_steps=0, max_steps=10, output_dir=tmp, seed=5, resume=False, parallel=par,
+                               resume_from_checkpoint="")
+
+    # 1. DDP arithmetic, identical gradients on both ranks: the stochastic rounding must not differ
+    for optim in ("adamw", "adamw_8bit"):
+        torch.manual_seed(100 + parallel.rank())  # as the scripts: seed + rank, so the global RNGs differ
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 192)).to(torch.bfloat16)
+        model = parallel.distribute(model, args(optim))
+        optimizer = common.make_optimizer(model, args(optim))
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            common.optimizer_step(optimizer, 1.0)
+        weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        assert _all_equal(weights) == 0, f"{optim}: {_all_equal(weights)} of {weights.numel()} weights differ between ranks"
+
+    # 2. FSDP2 in bf16 (fp32 master shards, replicated embeddings/norm/head with stochastic rounding):
+    # replicas stay identical, and a resumed run ends bit-for-bit where the uninterrupted one does
+    def make():
+        torch.manual_seed(7 + parallel.rank())
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.bfloat16)
+        model = parallel.distribute(model, args("adamw", "fsdp2"))
+        optimizer = common.make_optimizer(model, args("adamw", "fsdp2"))
+        return model, optimizer, common.make_scheduler(optimizer, args("adamw", "fsdp2"))
+
+    def train(model, optimizer, scheduler, steps):
+        for step in steps:
+            ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(step))  # same on both ranks
+            model(input_ids=ids, labels=ids).loss.backward()
+            common.optimizer_step(optimizer, 1.0)
+            scheduler.step()
+
+    def full(model):
+        return {n: (p.full_tensor() if parallel.is_sharded_param(p) else p).detach().clone() for n, p in model.named_parameters()}
+
+    model, optimizer, scheduler = make()
+    train(model, optimizer, scheduler, range(2))
+    common.save_checkpoint(model, None, args("adamw"), f"{tmp}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    train(model, optimizer, scheduler, range(2, 4))
+    replicated = torch.cat([p.detach().float().reshape(-1) for p in model.parameters() if not parallel.is_sharded_param(p)])
+    assert _all_equal(replicated) == 0, "FSDP2's replicated parameters differ between ranks"
+    model2, optimizer2, scheduler2 = make()
+    resume = args("adamw", "fsdp2")
+    resume.resume_from_checkpoint = f"{tmp}/checkpoint-2"
+    assert common.maybe_resume(resume, model2, optimizer2, scheduler2) == 2
+    train(model2, optimizer2, scheduler2, range(2, 4))
+    a, b = full(model), full(model2)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_bf16_replicas_stay_identical_and_fsdp2_resumes_exactly(tmp_path, tiny_qwen):
+    _spawn(_bf16_ranks, str(tmp_path), tiny_qwen)
