@@ -195,6 +195,22 @@ def enable_checkpointing(model):
     model.config.use_cache = False
 
 
+def disable_dropout(model):
+    """Dropout off by setting it to zero (TRL's disable_dropout): every nn.Dropout gets p = 0, and
+    so do the float `*dropout*` fields of the modules (HF attention keeps its own copy of
+    `attention_dropout`, applied in training mode only) and of the config. The model can then
+    stay in training mode, which HF's gradient checkpointing needs (its layers recompute only
+    while training), and every forward pass is deterministic (PPO: ratio == 1 at the first update)."""
+    configs = [model.config] if hasattr(model, "config") else []
+    for m in list(model.modules()) + configs:
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+    return model
+
+
 def freeze(model):
     """A frozen copy in eval mode: no grads, dropout off."""
     model.eval()

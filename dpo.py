@@ -252,7 +252,7 @@ def main():
     # ---- model and tokenizer (the policy starts as the reference)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
-    model.train()
+    common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online

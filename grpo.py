@@ -243,7 +243,7 @@ def main():
     # ---- models: policy, frozen reference (only if beta > 0), reward sources
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args)
-    model.train()
+    common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen; beta == 0 saves its memory entirely
     ref_model = common.freeze(common.load_model(args.model, args)) if args.beta else None

@@ -114,7 +114,10 @@ def activation_plan(config, tokens, nbytes, checkpointing):
     attention output and the SwiGLU MLP, + 2 h * (4 - nbytes) because RMSNorm saves its input in
     fp32, + 4 * heads + 8 (attention log-sum-exp, norm statistics). h: hidden size, I:
     intermediate size, kv: key/value width. With gradient checkpointing only each layer's input
-    (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
+    (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward. This
+    assumes what every training script does: dropout zeroed (common.disable_dropout) and the
+    trained models in training mode, since HF layers checkpoint only while training (in eval
+    mode --gradient_checkpointing would keep the full activations).
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     inter = getattr(config, "intermediate_size", 4 * h)

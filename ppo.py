@@ -24,8 +24,9 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 - A completion without EOS gets the fixed score -missing_eos_penalty (as in Huang et al. 2024;
   TRL instead subtracts the penalty from the model's score). The reward model's score of a
   truncated text is meaningless: it was trained on texts that end with EOS.
-- Dropout is off in every forward pass (the actor and critic run in eval mode while training),
-  so log-probs at rollout and at the first update match exactly: ratio == 1.
+- Dropout is off in every forward pass (its probability is set to zero, and the actor and critic
+  stay in training mode, so --gradient_checkpointing works), so log-probs at rollout and at the
+  first update match exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
 - The reward model must share the policy's tokenizer (true for reward.py's output): it scores
   the rollout's token ids directly, and the critic reads the same ids.
@@ -257,7 +258,10 @@ def main():
         critic_source = args.reward_model
     # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
     critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
-    policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
+    # dropout off everywhere (Huang et al. 2024) by zeroing it: the trained models stay in training
+    # mode, where HF's gradient checkpointing works (it recomputes nothing in eval mode)
+    common.disable_dropout(policy), common.disable_dropout(critic)
+    policy.train(), critic.train()
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "

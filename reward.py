@@ -132,7 +132,9 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
+    # dropout off (TRL's disable_dropout=True) by zeroing it, in training mode (gradient checkpointing
+    # works only there): scores are deterministic
+    common.disable_dropout(model).train()
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")

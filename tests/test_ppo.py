@@ -176,3 +176,32 @@ def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
     bad = run_script("ppo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope",
                      "--output_dir", out, check=False)
     assert bad.returncode != 0 and "defines no function 'nope'" in bad.stderr
+
+
+def test_gradient_checkpointing_shrinks_ppo_activations(tmp_path, tiny_qwen, monkeypatch):
+    """ppo.py keeps its trained models in training mode (dropout zeroed), so HF layers really
+    checkpoint: the bytes saved for backward in the update's forward shrink with the flag (they
+    did not when the models ran in eval mode)."""
+    from conftest import SavedBytes, run_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(4)))
+    (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    forward, saved = ppo.policy_and_values, []
+
+    def measured(policy, critic, mb, temperature):
+        if not torch.is_grad_enabled():
+            return forward(policy, critic, mb, temperature)
+        with SavedBytes() as s:
+            out = forward(policy, critic, mb, temperature)
+        saved.append(s.bytes)
+        return out
+
+    monkeypatch.setattr(ppo, "policy_and_values", measured)
+    argv = ["--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:length", "--max_steps", "1",
+            "--batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--max_completion_length", "24",
+            "--max_prompt_length", "64", "--temperature", "2.0", "--optim", "adamw"]
+    run_main(ppo, argv + ["--output_dir", str(tmp_path / "plain")], monkeypatch)
+    run_main(ppo, argv + ["--output_dir", str(tmp_path / "ckpt"), "--gradient_checkpointing"], monkeypatch)
+    plain, ckpt = saved
+    assert ckpt < 0.6 * plain, (plain, ckpt)
