@@ -614,11 +614,7 @@ class MetricsLogger:
         """Under torchrun, numbers are averaged over ranks first: call it on every rank."""
         metrics = {k: (float(v) if torch.is_tensor(v) else v) for k, v in metrics.items()}
         if parallel.world_size() > 1:
-            keys = [k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if keys:
-                means = parallel.all_reduce(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
-                metrics.update({k: int(m) if isinstance(metrics[k], int) and m == int(m) else m
-                                for k, m in zip(keys, means.tolist())})
+            metrics = parallel.mean_over_ranks(metrics)  # ranks may hold different keys
             if not parallel.is_main():
                 return
         with open(self.path, "a") as f:

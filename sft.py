@@ -1,8 +1,8 @@
 """sft.py: supervised fine-tuning, the first stage of RLHF (Stiennon et al. 2020, Sec. 3.5).
 
 Maximises log pi(y | x) of demonstration completions y given prompts x; prompt tokens are masked
-out of the loss (TRL's `completion_only_loss`). The loss is the mean over completion tokens of
-the micro-batch, as in TRL.
+out of the loss (TRL's `completion_only_loss`). The loss is the mean over the completion tokens of
+the optimizer batch (every micro-batch of the step, on every rank), as in TRL.
 
 Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* on the
@@ -48,9 +48,10 @@ class Args(TrainArgs):
 def sft_loss(logprobs, completion_mask, num_tokens):
     """Negative log-likelihood, mean over completion tokens: -sum_t log pi(y_t|x,y_<t) / #tokens.
 
-    `num_tokens` is this micro-batch's token count, averaged over ranks under torchrun: the
-    ranks' averaged loss (and gradient) is then the mean over every token of the global batch,
-    exactly what one process with the whole batch computes.
+    `num_tokens` is the token count of the whole optimizer batch (all micro-batches of the step),
+    averaged over ranks under torchrun: the micro-batches' losses then sum, and the ranks'
+    averaged gradient is the mean over every token of the global batch, exactly what one
+    process with the whole batch in one micro-batch computes (TRL's token mean).
     """
     return -(logprobs * completion_mask).sum() / num_tokens.clamp(min=1)
 
@@ -113,7 +114,7 @@ def main():
     pbar = common.progress(args, start_step, desc="sft")
     losses = []  # stays empty when resuming a run that had already finished
     for step in pbar:
-        losses, n_tokens = [], 0
+        batches = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
             idx = parallel.shard(common.batch_indices(len(pairs), global_batch, args.seed,
@@ -121,23 +122,24 @@ def main():
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask = common.encode_completions(
                 tokenizer, [completions[i] for i in idx], args.max_completion_length)
-            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-            completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
-
+            batches.append([t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask)])
+        # one token mean over the optimizer batch (every micro-batch, every rank; see sft_loss)
+        rank_tokens = parallel.all_reduce(sum(b[3].sum() for b in batches).float())
+        losses = []
+        for prompt_ids, prompt_mask, completion_ids, completion_mask in batches:
             logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
-            rank_tokens = parallel.all_reduce(completion_mask.sum().float())  # mean over ranks (see sft_loss)
-            loss = sft_loss(logprobs, completion_mask, rank_tokens)
+            loss = sft_loss(logprobs, completion_mask, rank_tokens)  # this micro-batch's part of the step's loss
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
-            (loss / args.gradient_accumulation_steps).backward()
+            loss.backward()
             losses.append(loss.detach())
-            n_tokens += round(float(rank_tokens) * parallel.world_size())
+        n_tokens = round(float(rank_tokens) * parallel.world_size())
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
         scheduler.step()
 
         # ---- log and save
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            logger.log(step + 1, {"loss": torch.stack(losses).mean(), "grad_norm": grad_norm,
+            logger.log(step + 1, {"loss": torch.stack(losses).sum(), "grad_norm": grad_norm,
                                   "learning_rate": scheduler.get_last_lr()[0], "num_tokens": n_tokens}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
@@ -146,7 +148,7 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {"final_loss": parallel.all_reduce(torch.stack(losses).mean()).item() if losses else None,
+    summary = {"final_loss": parallel.all_reduce(torch.stack(losses).sum()).item() if losses else None,
                **truncated, **init}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)

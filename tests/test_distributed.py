@@ -48,10 +48,12 @@ def test_sft_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
     argv = ["sft.py", "--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "4", "--learning_rate", "1e-2",
             "--warmup_steps", "0", "--optim", "adamw", "--save_steps", "2"]
     one, ddp, fsdp = (str(tmp_path / n) for n in ("one", "ddp", "fsdp2"))
+    # 2 ranks x 2 micro-batches of 2 = 1 rank x 8: the token mean is over the whole optimizer batch
+    two = ["--batch_size", "2", "--gradient_accumulation_steps", "2"]
     runs = [_launch(argv + ["--batch_size", "8", "--output_dir", one]),
-            _launch(argv + ["--batch_size", "4", "--output_dir", ddp, "--parallel", "ddp"], nproc=2),
+            _launch(argv + two + ["--output_dir", ddp, "--parallel", "ddp"], nproc=2),
             # FSDP2, killed while rank 0 writes checkpoint-4: resumed below from checkpoint-2
-            _launch(argv + ["--batch_size", "4", "--output_dir", fsdp, "--parallel", "fsdp2"], nproc=2,
+            _launch(argv + two + ["--output_dir", fsdp, "--parallel", "fsdp2"], nproc=2,
                     env={"RLHF_TEST_CRASH_WHILE_SAVING": "checkpoint-4"})]
     _finish(runs[0])
     out = _finish(runs[1])
@@ -60,7 +62,7 @@ def test_sft_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
 
     _finish(runs[2], ok=False)
     assert os.path.isdir(os.path.join(fsdp, "checkpoint-4.tmp")) and not os.path.exists(os.path.join(fsdp, "checkpoint-4"))
-    out = _finish(_launch(argv + ["--batch_size", "4", "--output_dir", fsdp, "--parallel", "fsdp2", "--resume"], nproc=2))
+    out = _finish(_launch(argv + two + ["--output_dir", fsdp, "--parallel", "fsdp2", "--resume"], nproc=2))
     assert "continuing from" in out and "checkpoint-2 at step 2" in out
     _assert_same_training(one, fsdp)
     ckpt = load_file(os.path.join(fsdp, "checkpoint-4", "model.safetensors"))  # gathered, full-size weights
@@ -136,6 +138,61 @@ def _all_equal(t):
     return int(sum((p != parts[0]).sum() for p in parts))
 
 
+def _metrics_with_different_keys(tmp):
+    """MetricsLogger under torchrun when ranks log different keys (dpo --online: a rank whose
+    pairs all tied has no loss): the union is logged, a missing key is absent from its mean."""
+    from types import SimpleNamespace
+
+    import common
+    import parallel
+
+    logger = common.MetricsLogger(SimpleNamespace(output_dir=f"{tmp}/metrics", report_to="none"))
+    mine = [{"loss": 1.0, "ties": 4, "only_rank0": 2.0}, {"ties": 4, "only_rank1": 5.0}][parallel.rank()]
+    logger.log(1, mine)
+    logger.log(2, {"loss": 1.0 + parallel.rank(), "ties": 0})
+    parallel.barrier()
+    with open(f"{tmp}/metrics/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows == [{"step": 1, "loss": 1.0, "ties": 4, "only_rank0": 2.0, "only_rank1": 5.0},
+                    {"step": 2, "loss": 1.5, "ties": 0}], rows
+
+
+def _grpo_normalisers_over_ranks(tmp):
+    """grpo.py's --scale_rewards batch std and dapo token count over ranks: 2 ranks x 2 micro-batches
+    of 4 prompts' rows give the gradient of 1 rank x 1 micro-batch of all 16 rows (DDP averages)."""
+    from types import SimpleNamespace
+
+    import grpo
+    import parallel
+
+    G, N, C = 4, 16, 7
+    g = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(N, C, generator=g) * 3
+    old = logprobs + torch.randn(N, C, generator=g) * 0.3
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (N,), generator=g)[:, None]).long()
+    rewards = torch.randn(N, generator=g) * torch.arange(N) / 4  # the ranks' halves differ in spread
+    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.28, dual_clip_c=3.0, beta=0.0, loss_type="dapo", max_completion_length=C)
+    # the reference: one process, one micro-batch of everything (no collectives)
+    lp = logprobs.clone().requires_grad_()
+    grpo.grpo_loss(lp, old, None, grpo.group_advantages(rewards, G, "batch"), mask, args)[0].backward()
+    # this rank: its half of the rows, in two micro-batches
+    rows = parallel.shard(torch.arange(N))
+    parts = [rows[:4], rows[4:]]
+    mine = logprobs.clone().requires_grad_()
+    advantages = grpo.batch_advantages([rewards[p] for p in parts], G, "batch")
+    num_sequences, num_tokens = grpo.batch_normalisers([mask[p] for p in parts])
+    sum(grpo.grpo_loss(mine[p], old[p], None, adv, mask[p], args, num_sequences, num_tokens)[0]
+        for p, adv in zip(parts, advantages)).backward()
+    grad = parallel.all_reduce(mine.grad)  # the mean over ranks, as optimizer_step averages gradients
+    torch.testing.assert_close(grad, lp.grad)
+
+
+def _ranks(tmp, tiny_qwen):
+    _metrics_with_different_keys(tmp)
+    _grpo_normalisers_over_ranks(tmp)
+    _bf16_ranks(tmp, tiny_qwen)
+
+
 def _bf16_ranks(tmp, tiny_qwen):
     from types import SimpleNamespace
 
@@ -198,5 +255,8 @@ def _bf16_ranks(tmp, tiny_qwen):
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-def test_bf16_replicas_stay_identical_and_fsdp2_resumes_exactly(tmp_path, tiny_qwen):
-    _spawn(_bf16_ranks, str(tmp_path), tiny_qwen)
+def test_two_gloo_ranks_in_process(tmp_path, tiny_qwen):
+    """Metrics with different keys per rank; GRPO's normalisers over ranks; bf16 replicas stay
+    bit-identical (DDP with both optimizers, FSDP2's replicated parameters); FSDP2 in bf16
+    resumes bit-for-bit."""
+    _spawn(_ranks, str(tmp_path), tiny_qwen)
