@@ -707,17 +707,23 @@ def load_weights(model, folder):
     from glob import glob
 
     from safetensors.torch import load_file
-    from torch.distributed.tensor import distribute_tensor
 
     loaded = {}
     for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
         loaded.update(load_file(path))
     if not loaded:
         fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    copy_weights(model, loaded, folder)
+
+
+def copy_weights(model, loaded, source):
+    """Copy a {name: full tensor} state dict into `model` in place (FSDP2 shards included)."""
+    from torch.distributed.tensor import distribute_tensor
+
     params = model.state_dict()
     unexpected = sorted(set(loaded) - set(params))
     if unexpected:
-        fail(f"{folder} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
+        fail(f"{source} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
              "resume with the same --model and sizes as the run that wrote it.")
     with torch.no_grad():
         for name, src in loaded.items():
@@ -760,7 +766,8 @@ def training_state(step, optimizer, scheduler, **stateful):
     masters = [p.detach().full_tensor().cpu() if parallel.is_sharded_param(p) else None for p in params]
     return {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
             **({"master_weights": masters} if any(m is not None for m in masters) else {}),
-            **{name: obj.state_dict() for name, obj in stateful.items()}}
+            **{name: parallel.full_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
+               for name, obj in stateful.items()}}  # a model's FSDP2 shards gathered
 
 
 def last_checkpoint(output_dir):
@@ -799,13 +806,16 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
         for k, v in s.items():
             if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].dtype != v.dtype:
                 live[k] = v.to(live[k].device)
+    scheduler.load_state_dict(state["scheduler"])
+    for name, obj in stateful.items():
+        if isinstance(obj, torch.nn.Module):  # e.g. ppo.py's critic (FSDP2: re-sharded)
+            copy_weights(obj, state[name], folder)
+        else:
+            obj.load_state_dict(state[name])
     for p, master in zip(params, state.get("master_weights", [])):  # FSDP2: the fp32 shards, unrounded
         if master is not None:
             with torch.no_grad():
                 p.copy_(distribute_tensor(master.to(p.device, p.dtype), p.device_mesh, p.placements))
-    scheduler.load_state_dict(state["scheduler"])
-    for name, obj in stateful.items():
-        obj.load_state_dict(state[name])
     if len(state["rng"]) == parallel.world_size():
         set_rng_state(state["rng"][parallel.rank()])
     else:  # a different number of ranks: sampling cannot replay exactly, the data order still does

@@ -26,13 +26,6 @@ def init_distributed():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
 
 
-def single_process(script):
-    """Stop under torchrun for a script that runs in one process only: N copies would each train
-    the whole run and write the same output folder."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        common.fail(f"{script} runs in one process (it is not wired for torchrun yet); launch it with `python {script}`.")
-
-
 def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -40,6 +40,7 @@ Run:
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl \\
         --reward_fn my_rewards.py:score --learning_rate 1e-6 --max_completion_length 256
+    torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its own prompts
 """
 
 import dataclasses
@@ -76,7 +77,7 @@ class Args(TrainArgs):
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip: new values stay within this of the rollout's."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
-    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
+    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch (per process) = batch_size * gradient_accumulation_steps * num_mini_batches."})
     # optimisation (defaults suit the tiny embedded-world model; use ~1e-6 for a pretrained one)
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of the policy and the critic."})
@@ -91,9 +92,11 @@ def masked_mean(x, mask):
 
 
 def masked_whiten(x, mask, shift_mean=True):
-    """(x - mean) / std over the masked entries; without shift_mean the mean is added back."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    """(x - mean) / std over the masked entries of the global batch (every rank's rows under
+    torchrun); without shift_mean the mean is added back."""
+    count = parallel.all_reduce(mask.sum(), "sum").clamp(min=1)
+    mean = parallel.all_reduce((x * mask).sum(), "sum") / count
+    var = parallel.all_reduce(((x - mean) ** 2 * mask).sum(), "sum") / count
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -229,8 +232,8 @@ def main():
     for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
         if getattr(args, name) < 1:
             common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    parallel.single_process("ppo.py")
-    common.set_seed(args.seed)
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # each rank samples its own completions
     device = common.device()
     offload_device = torch.device("cpu") if args.offload_frozen else device
 
@@ -262,6 +265,8 @@ def main():
     # mode, where HF's gradient checkpointing works (it recomputes nothing in eval mode)
     common.disable_dropout(policy), common.disable_dropout(critic)
     policy.train(), critic.train()
+    # --parallel ddp | fsdp2 under torchrun: both trained models (the frozen ones stay whole on every rank)
+    policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
@@ -283,7 +288,8 @@ def main():
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
-        idx = common.batch_indices(len(prompts), rollout_batch, args.seed, step)
+        # this rank's prompts of the global rollout batch; the step is the position in the data
+        idx = parallel.shard(common.batch_indices(len(prompts), rollout_batch * parallel.world_size(), args.seed, step))
         prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
         chunks = []
@@ -369,11 +375,11 @@ def main():
                 "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
                 "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
                 "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                "episode": (step + 1) * rollout_batch, "step_time": time.time() - t0}, pbar)
+                "episode": (step + 1) * rollout_batch * parallel.world_size(), "step_time": time.time() - t0}, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler, critic=critic))
-        final = {"final_reward": float(scores.mean()), "final_kl": float(kl.sum(1).mean())}
+        final = {"final_reward": parallel.all_reduce(float(scores.mean())), "final_kl": parallel.all_reduce(float(kl.sum(1).mean()))}
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation

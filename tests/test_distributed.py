@@ -32,7 +32,7 @@ def _metrics(folder):
 
 
 def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e-4):
-    a, b = _metrics(one), _metrics(two)
+    a, b = ([r for r in _metrics(d) if "grad_norm" in r] for d in (one, two))  # training rows (not final evals)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for k in keys:  # num_tokens: the two ranks together saw the same batch
@@ -260,3 +260,47 @@ def test_two_gloo_ranks_in_process(tmp_path, tiny_qwen):
     bit-identical (DDP with both optimizers, FSDP2's replicated parameters); FSDP2 in bf16
     resumes bit-for-bit."""
     _spawn(_ranks, str(tmp_path), tiny_qwen)
+
+
+def test_reward_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, monkeypatch):
+    import world
+    from conftest import run_main
+
+    import reward
+
+    prefs = tmp_path / "prefs.jsonl"
+    with open(prefs, "w") as f:
+        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "rl": 1, "test": 1})["prefs"]:
+            f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    argv = ["--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "4", "--eval_steps", "0",
+            "--learning_rate", "3e-3", "--warmup_steps", "0", "--optim", "adamw"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run = _launch(["reward.py", *argv, "--batch_size", "4", "--output_dir", two], nproc=2)
+    run_main(reward, argv + ["--batch_size", "8", "--output_dir", one], monkeypatch)  # 1 rank, in this process
+    assert _finish(run).count("reward: saved to") == 1  # only rank 0 prints
+    _assert_same_training(one, two, keys=("loss", "accuracy"))  # margin: a difference near 0, reordered sums
+    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (one, two))
+    assert sb["test_accuracy"] == sa["test_accuracy"] and sb["reward_mean"] == pytest.approx(sa["reward_mean"], abs=1e-4)
+
+
+def test_ppo_under_torchrun_with_fsdp2_resumes_exactly(tmp_path, tiny_qwen):
+    """ppo.py on 2 CPU ranks, policy and critic sharded with FSDP2: each rank samples and scores its
+    own prompts, rank 0 logs and saves once, and a run resumed from checkpoint-1 ends where the
+    uninterrupted one does (critic included)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(16)))
+    (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    argv = ["ppo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:length",
+            "--max_steps", "2", "--batch_size", "2", "--num_mini_batches", "2", "--max_completion_length", "5",
+            "--learning_rate", "1e-2", "--optim", "adamw", "--parallel", "fsdp2", "--save_steps", "1"]
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    assert _finish(_launch(argv + ["--output_dir", full], nproc=2)).count("ppo: saved to") == 1
+    rows = _metrics(full)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["episode"] == 8  # 2 ranks x 4 prompts
+    out = _finish(_launch(argv + ["--output_dir", resumed, "--resume_from_checkpoint", f"{full}/checkpoint-1"], nproc=2))
+    assert "at step 1" in out
+    drop = ("step_time",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in _metrics(resumed)] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in rows[1:]]  # vf_loss: the critic too
+    wa, wb = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(resumed, "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

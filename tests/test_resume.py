@@ -192,13 +192,6 @@ def test_reward_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
     assert json.load(open(os.path.join(crashed, "summary.json"))) == json.load(open(os.path.join(full, "summary.json")))
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "reward.py"])
-def test_one_process_scripts_refuse_torchrun(script):
-    proc = _launch(script, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and f"launch it with `python {script}`" in err
-
-
 def test_grpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
     prompts, reward_fn = _prompts_and_length_reward(tmp_path, 12, 0.1)
     argv = ["grpo.py", "--model", tiny_qwen, "--dataset", prompts, "--reward_fn", reward_fn,
