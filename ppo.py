@@ -20,7 +20,8 @@ One step (= one rollout batch):
 
 Departures from the papers and from TRL's (removed) PPOTrainer:
 - The score is centred: R_psi(x, y) - reward_mean, with reward_mean stored by reward.py in the
-  reward model's config (the mean score on chosen responses), so the critic starts near 0.
+  reward model's config (the mean score on chosen responses); the critic, initialised from the
+  same reward model, gets a head bias of -reward_mean, so it starts centred the same way.
 - A completion without EOS gets the fixed score -missing_eos_penalty (as in Huang et al. 2024;
   TRL instead subtracts the penalty from the model's score). The reward model's score of a
   truncated text is meaningless: it was trained on texts that end with EOS.
@@ -178,7 +179,23 @@ def explained_variance(values, returns, mask):
     return 1 - var_residual / var_returns.clamp(min=1e-8)
 
 
-# ============================================================================ forward passes
+# ============================================================================ the critic and forward passes
+def load_critic(source, args, reward_mean):
+    """V_phi: a transformer with a scalar head (AutoModelForSequenceClassification), from the
+    reward model (or the policy with --reward_fn). The head gets a bias of -reward_mean (HF's
+    score heads have none), so the critic starts centred like the score it learns to predict,
+    R_psi(x, y) - reward_mean; without it, its values start off by reward_mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    critic = common.load_model(source, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    head = critic.score
+    critic.score = torch.nn.Linear(head.in_features, 1, bias=True, device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        critic.score.weight.copy_(head.weight)
+        critic.score.bias.fill_(-reward_mean if head.bias is None else float(head.bias) - reward_mean)
+    return critic
+
+
 def token_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """V_phi(s_t) for each completion token: the critic's scalar head on every position, read at
     the state *before* each completion token (the same positions as its log-prob): (B, C)."""
@@ -217,8 +234,6 @@ def on_device(model, device, offload):
 
 # ============================================================================ main
 def main():
-    from transformers import AutoModelForSequenceClassification
-
     args = common.parse_args(Args)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
@@ -259,8 +274,9 @@ def main():
         reward_model = reward_model.to(offload_device)
         reward_mean = float(getattr(reward_model.config, "reward_mean", 0.0))
         critic_source = args.reward_model
-    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
-    critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn),
+    # centred like the score: R_psi(x, y) - reward_mean
+    critic = load_critic(critic_source, args, reward_mean)
     # dropout off everywhere (Huang et al. 2024) by zeroing it: the trained models stay in training
     # mode, where HF's gradient checkpointing works (it recomputes nothing in eval mode)
     common.disable_dropout(policy), common.disable_dropout(critic)

@@ -205,3 +205,23 @@ def test_gradient_checkpointing_shrinks_ppo_activations(tmp_path, tiny_qwen, mon
     run_main(ppo, argv + ["--output_dir", str(tmp_path / "ckpt"), "--gradient_checkpointing"], monkeypatch)
     plain, ckpt = saved
     assert ckpt < 0.6 * plain, (plain, ckpt)
+
+
+def test_critic_starts_centred_like_the_score(tiny_qwen, tiny_reward_model):
+    """PPO scores R_psi(x, y) - reward_mean; the critic from the same reward model must start shifted
+    the same way (it started off by reward_mean): its values are the reward model's minus reward_mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    class A:
+        dtype, attn_implementation, trust_remote_code = "float32", "sdpa", False
+
+    tok = common.load_tokenizer(tiny_qwen)
+    critic = ppo.load_critic(tiny_reward_model, A, 0.25)
+    raw = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1)
+    p_ids, p_mask = common.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
+    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " bob"])
+    with torch.no_grad():
+        values = ppo.token_values(critic, p_ids, p_mask, c_ids, c_mask)
+        expected = (ppo.token_values(raw, p_ids, p_mask, c_ids, c_mask) - 0.25) * c_mask
+    torch.testing.assert_close(values, expected)
+    assert critic.score.bias.requires_grad  # the critic learns its own offset from there
