@@ -102,7 +102,7 @@ def test_grpo_runs_under_torchrun(tmp_path, tiny_qwen):
 
 # ------------------------------------------------------------------ in-process ranks (torch.multiprocessing + gloo)
 def _spawn(fn, *args, nproc=2):
-    """Run fn(*args) on `nproc` gloo ranks joined through parallel.init_distributed; an assertion
+    """Run fn(*args) on `nproc` gloo ranks in one process group; an assertion
     on any rank fails the test. Cheaper than torchrun + a whole script."""
     import socket
 
@@ -115,14 +115,15 @@ def _spawn(fn, *args, nproc=2):
 
 
 def _rank_main(rank, nproc, port, fn, args):
-    import torch.distributed as dist
+    from datetime import timedelta
 
-    import parallel
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nproc))
     torch.set_num_threads(1)
-    parallel.init_distributed()
+    # as parallel.init_distributed, with a timeout: a collective that ranks call differently fails, not hangs
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         fn(*args)
     finally:
