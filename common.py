@@ -446,6 +446,22 @@ def enable_checkpointing(model):
     model.config.use_cache = False
 
 
+def disable_dropout(model):
+    """Dropout off by setting it to zero (TRL's disable_dropout): every nn.Dropout gets p = 0, and
+    so do the float `*dropout*` fields of the modules (HF attention keeps its own copy of
+    `attention_dropout`, applied in training mode only) and of the config. The model can then
+    stay in training mode, which HF's gradient checkpointing needs (its layers recompute only
+    while training), and every forward pass is deterministic (PPO: ratio == 1 at the first update)."""
+    configs = [model.config] if hasattr(model, "config") else []
+    for m in list(model.modules()) + configs:
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+    return model
+
+
 def freeze(model):
     """A frozen copy in eval mode: no grads, dropout off."""
     model.eval()
@@ -469,8 +485,11 @@ def make_optimizer(model, args):
     if args.optim == "adamw_8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(params, **kw)
-    return torch.optim.AdamW(params, **kw)
+        optimizer = bnb.optim.AdamW8bit(params, **kw)
+    else:
+        optimizer = torch.optim.AdamW(params, **kw)
+    optimizer.param_groups[0]["rounding_seed"] = getattr(args, "seed", 0)  # see rounding_generator
+    return optimizer
 
 
 def make_scheduler(optimizer, args):
@@ -483,12 +502,24 @@ def make_scheduler(optimizer, args):
 SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in optimizer_step (256 MB of fp32 weights)
 
 
-def stochastic_round_(target, source):
+def stochastic_round_(target, source, generator=None):
     """Copy fp32 `source` into bf16 `target`, rounding up with probability equal to the
-    fraction of the bf16 ulp that round-down would lose (Gupta et al. 2015)."""
+    fraction of the bf16 ulp that round-down would lose (Gupta et al. 2015). The noise comes
+    from `generator` (default: the global RNG)."""
     bits = source.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32, device=bits.device)
     target.copy_(((bits + noise) & -65536).view(torch.float32))  # dropping 16 low bits is exact
+
+
+def rounding_generator(optimizer, device):
+    """The noise of this optimizer step's stochastic rounding: a generator seeded from the run's
+    seed and the step (both kept in the optimizer's param groups, so they travel with its
+    state_dict), never from the global RNG, which differs between ranks (seed + rank): every
+    rank then rounds its replica of a weight the same way, and replicas stay bit-identical."""
+    group = optimizer.param_groups[0]
+    group["rounding_step"] = group.get("rounding_step", 0) + 1
+    seed = group.get("rounding_seed", 0) * 1_000_003 + group["rounding_step"]
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @torch.no_grad()
@@ -515,6 +546,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
         p.grad = None
     optimizer.step()  # full-precision parameters (and none of the bf16 ones) step here
     optimizer.zero_grad(set_to_none=True)
+    generator = rounding_generator(optimizer, low[0].device)  # the same noise on every rank
     bucket, numel = [], 0
     for i, p in enumerate(low):
         bucket.append(p)
@@ -526,7 +558,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
             p.data, p.grad = p.data.float(), grads.pop(p).float()
         optimizer.step()
         for p, h in zip(bucket, half):
-            stochastic_round_(h, p.data)
+            stochastic_round_(h, p.data, generator)
             p.data, p.grad = h, None
         bucket, numel = [], 0
     return grad_norm
@@ -964,13 +996,9 @@ class MetricsLogger:
     def _write(self, step, metrics, pbar=None):
         metrics = {k: (float(v) if torch.is_tensor(v) else v) for k, v in metrics.items()}
         if parallel.world_size() > 1:
-            keys = [k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if keys:
-                means = parallel.all_reduce(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
-                metrics.update({k: int(m) if isinstance(metrics[k], int) and m == int(m) else m
-                                for k, m in zip(keys, means.tolist())})
-                if "num_tokens" in metrics:  # a sum over ranks, not a mean
-                    metrics["num_tokens"] = round(metrics["num_tokens"] * parallel.world_size())
+            metrics = parallel.mean_over_ranks(metrics)  # ranks may hold different keys
+            if "num_tokens" in metrics:  # a sum over ranks, not a mean
+                metrics["num_tokens"] = round(metrics["num_tokens"] * parallel.world_size())
             if not parallel.is_main():
                 return None
         if "num_tokens" in metrics:
@@ -1120,7 +1148,6 @@ def load_weights(model, folder):
     from glob import glob
 
     from safetensors.torch import load_file
-    from torch.distributed.tensor import distribute_tensor
 
     loaded = {}
     for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
@@ -1135,10 +1162,17 @@ def load_weights(model, folder):
             fail(f"{folder} does not hold this run's adapters; resume with the same --model, --use_peft and "
                  "--lora_* flags as the run that wrote it.")
         return
+    copy_weights(model, loaded, folder)
+
+
+def copy_weights(model, loaded, source):
+    """Copy a {name: full tensor} state dict into `model` in place (FSDP2 shards included)."""
+    from torch.distributed.tensor import distribute_tensor
+
     params = model.state_dict()
     unexpected = sorted(set(loaded) - set(params))
     if unexpected:
-        fail(f"{folder} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
+        fail(f"{source} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
              "resume with the same --model and sizes as the run that wrote it.")
     with torch.no_grad():
         for name, src in loaded.items():
@@ -1175,8 +1209,15 @@ def training_state(step, optimizer, scheduler, **stateful):
     optim = optimizer.state_dict()  # its per-parameter dicts are the live state: copy, never edit them
     optim["state"] = {i: {k: v.full_tensor().cpu() if parallel.is_sharded_param(v) else v for k, v in s.items()}
                       for i, s in optim["state"].items()}
+    # FSDP2 trains bf16 layers as fp32 shards, and the saved model is rounded to bf16: keep the
+    # fp32 weights the run trains, so a resumed run continues from them
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = [p.detach().full_tensor().cpu() if parallel.is_sharded_param(p) else None for p in params]
     return {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
-            **{name: adapter_state(obj) if is_peft(obj) else obj.state_dict() for name, obj in stateful.items()}}
+            **({"master_weights": masters} if any(m is not None for m in masters) else {}),
+            **{name: adapter_state(obj) if is_peft(obj) else parallel.full_state_dict(obj)
+               if isinstance(obj, torch.nn.Module) else obj.state_dict()
+               for name, obj in stateful.items()}}  # a model's FSDP2 shards gathered
 
 
 def adapter_state(model):
@@ -1215,14 +1256,27 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
             if parallel.is_sharded_param(params[i]) and torch.is_tensor(v) and v.shape == params[i].shape:
                 s[k] = distribute_tensor(v.to(params[i].device), params[i].device_mesh, params[i].placements)
     optimizer.load_state_dict(state["optimizer"])
+    # load_state_dict casts floating-point states to their parameter's dtype (fp32 moments of bf16
+    # weights to bf16, which optimizer_step cannot step): give them back the dtype they were saved in
+    for i, s in state["optimizer"]["state"].items():
+        live = optimizer.state[params[i]]
+        for k, v in s.items():
+            if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].dtype != v.dtype:
+                live[k] = v.to(live[k].device)
     scheduler.load_state_dict(state["scheduler"])
     for name, obj in stateful.items():
         if is_peft(obj):
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(obj, state[name])
+        elif isinstance(obj, torch.nn.Module):  # e.g. ppo.py's critic (FSDP2: re-sharded)
+            copy_weights(obj, state[name], folder)
         else:
             obj.load_state_dict(state[name])
+    for p, master in zip(params, state.get("master_weights", [])):  # FSDP2: the fp32 shards, unrounded
+        if master is not None:
+            with torch.no_grad():
+                p.copy_(distribute_tensor(master.to(p.device, p.dtype), p.device_mesh, p.placements))
     if len(state["rng"]) == parallel.world_size():
         set_rng_state(state["rng"][parallel.rank()])
     else:  # a different number of ranks: sampling cannot replay exactly, the data order still does

@@ -298,7 +298,7 @@ def main():
     # ---- model and tokenizer (the policy starts as the reference; --use_peft: LoRA adapters on a frozen base)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args, adapters=True)
-    model.train()
+    common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 

@@ -118,16 +118,35 @@ class Args(SamplingArgs):
 
 
 # ============================================================================ advantages
-def group_advantages(rewards, num_generations, scale_rewards="group"):
+def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
     """A_i = (r_i - mean_group) / (std + eps) for rewards laid out in groups of G consecutive
-    completions: (N,) -> (N,). A group whose rewards are all equal gets A = 0 (no gradient)."""
+    completions: (N,) -> (N,). A group whose rewards are all equal gets A = 0 (no gradient).
+    `batch_std`: the reward std of the whole batch (default: of these rewards)."""
     grouped = rewards.view(-1, num_generations)  # (B, G)
     advantages = grouped - grouped.mean(1, keepdim=True)
     if scale_rewards == "group":  # DeepSeekMath: each group's own std (unbiased, as torch.std)
         advantages = advantages / (grouped.std(1, keepdim=True) + ADV_EPS)
     elif scale_rewards == "batch":  # one std for the whole batch: keeps easy groups' small gaps small
-        advantages = advantages / (rewards.std() + ADV_EPS)
+        advantages = advantages / ((rewards.std() if batch_std is None else batch_std) + ADV_EPS)
     return advantages.reshape(-1)  # (N,)
+
+
+def batch_advantages(rewards, num_generations, scale_rewards):
+    """group_advantages of the micro-batches of one optimizer step (a list of (N_i,) rewards ->
+    a list of (N_i,) advantages), with --scale_rewards batch dividing by the std of every reward
+    of the step on every rank (TRL: the whole generation batch), not of each micro-batch."""
+    batch_std = parallel.all_gather(torch.cat(rewards)).std()
+    return [group_advantages(r, num_generations, scale_rewards, batch_std) for r in rewards]
+
+
+def batch_normalisers(completion_masks):
+    """grpo_loss's normalisers for the micro-batches of one optimizer step on this rank: this
+    rank's sequence count, and the token count of every micro-batch on every rank divided by the
+    number of ranks -- optimizer_step averages the ranks' gradients, so dapo's loss is then the
+    token mean of the global batch (TRL: the global count), as one process computes it."""
+    num_sequences = sum(m.shape[0] for m in completion_masks)
+    num_tokens = parallel.all_reduce(sum(m.sum() for m in completion_masks).float())
+    return num_sequences, num_tokens.clamp(min=1 / parallel.world_size())
 
 
 # ============================================================================ loss
@@ -313,7 +332,7 @@ def main():
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     model = common.load_model(args.model, args, adapters=True)
-    model.train()
+    common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off);
     # beta == 0 saves its memory entirely
@@ -364,8 +383,6 @@ def main():
                 reward = (rewards_per_source * weights).sum(1)  # (N,)
                 common.check_finite("reward", reward, step + 1)
 
-                # 3. group-relative advantages; groups with equal rewards carry no signal
-                advantages = group_advantages(reward, G, args.scale_rewards).to(device)  # (N,)
                 group_std = reward.view(-1, G).std(1)
                 lengths = completion_mask.sum(1).float()
                 rollout_metrics.append({
@@ -376,22 +393,26 @@ def main():
                     "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
                 })
-                samples.append((group, texts, rewards_per_source, reward, advantages))
+                samples.append([group, texts, rewards_per_source, reward])  # the advantages join below
                 if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
                     completion_mask = completion_mask * (~truncated[:, None]).long()
 
-                # 4. log-probs of the reference (those of the sampling policy come with the first update)
+                # 3. log-probs of the reference (those of the sampling policy come with the first update)
                 ref_logprobs = None
                 if ref_model is not None:
                     with torch.no_grad(), common.adapters_off(ref_model):
                         ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
                                                                   completion_mask, args.temperature)
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                                "completion_mask": completion_mask, "advantages": advantages,
+                                "completion_mask": completion_mask, "reward": reward,
                                 "ref_logprobs": ref_logprobs, "old_logprobs": None})
-            # normalisers of the whole optimizer batch, so accumulated micro-batches sum to one loss
-            num_sequences = sum(b["completion_ids"].shape[0] for b in batches)
-            num_tokens = sum(b["completion_mask"].sum() for b in batches).clamp(min=1)
+            # 4. group-relative advantages (groups with equal rewards carry no signal) and the loss's
+            # normalisers, over the whole optimizer batch: every micro-batch, every rank
+            advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards)
+            for b, a, sample in zip(batches, advantages, samples):
+                b["advantages"] = a.to(device)  # (N,)
+                sample.append(a)  # for --log_completions
+            num_sequences, num_tokens = batch_normalisers([b["completion_mask"] for b in batches])
             rollout_tokens = sum(int(b["prompt_mask"].sum()) * G + int(b["completion_mask"].sum()) for b in batches)
 
         # 5. update: one optimizer step over the rollout's micro-batches

@@ -162,6 +162,9 @@ def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0)
     (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
     `adapters_per_layer`: LoRA's bytes per token and layer (peft_plan), on top of the base's
     (counted in full, as if the frozen base layers saved what trained ones do: an upper bound).
+    This assumes what every training script does: dropout zeroed (common.disable_dropout) and the
+    trained models in training mode, since HF layers checkpoint only while training (in eval
+    mode --gradient_checkpointing would keep the full activations).
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     inter = getattr(config, "intermediate_size", 4 * h)

@@ -26,13 +26,6 @@ def init_distributed():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
 
 
-def single_process(script):
-    """Stop under torchrun for a script that runs in one process only: N copies would each train
-    the whole run and write the same output folder."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        common.fail(f"{script} runs in one process (it is not wired for torchrun yet); launch it with `python {script}`.")
-
-
 def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -68,6 +61,37 @@ def all_reduce(value, op="mean"):
         dist.all_reduce(t)
         t = t / world_size() if op == "mean" else t
     return t if torch.is_tensor(value) else float(t)
+
+
+def all_gather(t):
+    """Every rank's tensor (the same shape on each), concatenated along dim 0 in rank order: the
+    global batch of a per-rank tensor. The tensor itself in a single process. A collective."""
+    if world_size() == 1:
+        return t
+    parts = [torch.empty_like(t, device=common.device()) for _ in range(world_size())]
+    dist.all_gather(parts, t.to(common.device()).contiguous())
+    return torch.cat(parts)
+
+
+def mean_over_ranks(metrics):
+    """A metrics dict with its numbers averaged over ranks, key by key. Ranks may log different
+    keys (dpo.py --online: a rank whose pairs all tied has no loss): the key sets are gathered
+    first, and a rank without a key is absent from that key's mean, not a zero. Other values
+    (text) are this rank's. A collective: every rank must call it."""
+    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    key_sets = [None] * world_size()
+    dist.all_gather_object(key_sets, list(numbers))
+    keys = list(dict.fromkeys(k for ks in key_sets for k in ks))  # rank 0's order first
+    if not keys:
+        return metrics
+    sums = torch.tensor([[numbers.get(k, 0.0), float(k in numbers)] for k in keys], dtype=torch.float64,
+                        device=common.device())  # (K, 2): sum of values, number of ranks that logged it
+    dist.all_reduce(sums)
+    out = dict(metrics)
+    for k, (total, count) in zip(keys, sums.tolist()):
+        mean = total / count
+        out[k] = int(mean) if isinstance(metrics.get(k), int) and mean == int(mean) else mean
+    return out
 
 
 def is_sharded_param(p):

@@ -20,12 +20,14 @@ One step (= one rollout batch):
 
 Departures from the papers and from TRL's (removed) PPOTrainer:
 - The score is centred: R_psi(x, y) - reward_mean, with reward_mean stored by reward.py in the
-  reward model's config (the mean score on chosen responses), so the critic starts near 0.
+  reward model's config (the mean score on chosen responses); the critic, initialised from the
+  same reward model, gets a head bias of -reward_mean, so it starts centred the same way.
 - A completion without EOS gets the fixed score -missing_eos_penalty (as in Huang et al. 2024;
   TRL instead subtracts the penalty from the model's score). The reward model's score of a
   truncated text is meaningless: it was trained on texts that end with EOS.
-- Dropout is off in every forward pass (the actor and critic run in eval mode while training),
-  so log-probs at rollout and at the first update match exactly: ratio == 1.
+- Dropout is off in every forward pass (its probability is set to zero, and the actor and critic
+  stay in training mode, so --gradient_checkpointing works), so log-probs at rollout and at the
+  first update match exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
 - The reward model must share the policy's tokenizer (true for reward.py's output): the critic,
   initialised from it, reads the rollout's token ids. The reward model itself scores the decoded
@@ -48,6 +50,7 @@ Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
+    torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its own prompts
 """
 
 import dataclasses
@@ -87,7 +90,7 @@ class Args(SamplingArgs):
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip: new values stay within this of the rollout's."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
-    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
+    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch (per process) = batch_size * gradient_accumulation_steps * num_mini_batches."})
     # optimisation
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic (embedded world: 2e-5)."})
@@ -103,9 +106,11 @@ def masked_mean(x, mask):
 
 
 def masked_whiten(x, mask, shift_mean=True):
-    """(x - mean) / std over the masked entries; without shift_mean the mean is added back."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    """(x - mean) / std over the masked entries of the global batch (every rank's rows under
+    torchrun); without shift_mean the mean is added back."""
+    count = parallel.all_reduce(mask.sum(), "sum").clamp(min=1)
+    mean = parallel.all_reduce((x * mask).sum(), "sum") / count
+    var = parallel.all_reduce(((x - mean) ** 2 * mask).sum(), "sum") / count
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -187,7 +192,23 @@ def explained_variance(values, returns, mask):
     return 1 - var_residual / var_returns.clamp(min=1e-8)
 
 
-# ============================================================================ forward passes
+# ============================================================================ the critic and forward passes
+def load_critic(source, args, reward_mean):
+    """V_phi: a transformer with a scalar head (AutoModelForSequenceClassification), from the
+    reward model (or the policy with --reward_fn). The head gets a bias of -reward_mean (HF's
+    score heads have none), so the critic starts centred like the score it learns to predict,
+    R_psi(x, y) - reward_mean; without it, its values start off by reward_mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    critic = common.load_model(source, args, cls=AutoModelForSequenceClassification, num_labels=1)
+    head = critic.score
+    critic.score = torch.nn.Linear(head.in_features, 1, bias=True, device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        critic.score.weight.copy_(head.weight)
+        critic.score.bias.fill_(-reward_mean if head.bias is None else float(head.bias) - reward_mean)
+    return critic
+
+
 def token_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """V_phi(s_t) for each completion token: the critic's scalar head on every position, read at
     the state *before* each completion token (the same positions as its log-prob): (B, C)."""
@@ -280,8 +301,8 @@ def main():
     if args.offload_frozen and args.use_peft:
         common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
                     "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
-    parallel.single_process("ppo.py")
-    common.set_seed(args.seed)
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # each rank samples its own completions
     device = common.device()
     offload_device = torch.device("cpu") if args.offload_frozen else device
 
@@ -303,8 +324,9 @@ def main():
     policy = common.load_model(args.model, args, adapters=True)
     ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
     critic_source = args.model if args.reward_fn else args.reward_model
-    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
-    critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
+    if args.use_peft:  # the critic (own adapters, a trained copy of the score head) is loaded first:
+        # its base doubles as R_psi. It is not centred by reward_mean: its head is the reward model's
+        critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
     reward_model, rm_tokenizer, reward_mean = None, None, 0.0
     if not args.reward_fn:
         if args.use_peft:  # R_psi is the critic's base with its adapters and score-head copy off
@@ -316,7 +338,16 @@ def main():
             common.fail(f"the reward model {args.reward_model} has another tokenizer than {args.model}; ppo.py scores "
                         "token ids directly, so train the reward model from the same policy (python reward.py --model ...).")
         reward_mean = float(getattr(reward_model.config, "reward_mean", 0.0))
-    policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
+    if not args.use_peft:
+        # the critic: a scalar head on a transformer, from the reward model (or the policy with
+        # --reward_fn), centred like the score: R_psi(x, y) - reward_mean
+        critic = load_critic(critic_source, args, reward_mean)
+    # dropout off everywhere (Huang et al. 2024) by zeroing it: the trained models stay in training
+    # mode, where HF's gradient checkpointing works (it recomputes nothing in eval mode)
+    common.disable_dropout(policy), common.disable_dropout(critic)
+    policy.train(), critic.train()
+    # --parallel ddp | fsdp2 under torchrun: both trained models (the frozen ones stay whole on every rank)
+    policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
     common.check_readable(tokenizer, prompts, args.model, args.dataset)
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
@@ -339,7 +370,8 @@ def main():
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
-        idx = common.batch_indices(len(prompts), rollout_batch, args.seed, step)
+        # this rank's prompts of the global rollout batch; the step is the position in the data
+        idx = parallel.shard(common.batch_indices(len(prompts), rollout_batch * parallel.world_size(), args.seed, step))
         prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
         chunks = []
@@ -423,7 +455,7 @@ def main():
             "grad_norm": grad_norm, "step_time": time.time() - t0},
             num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch}, pbar)
+            logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)
             if args.log_completions:
                 texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
                 common.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
@@ -435,7 +467,7 @@ def main():
         if args.save_steps and (step + 1) % args.save_steps == 0:
             common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    common.training_state(step + 1, optimizer, scheduler, critic=critic))
-        final.update(final_reward=float(scores.mean()), final_kl=float(kl.sum(1).mean()))
+        final.update(final_reward=parallel.all_reduce(float(scores.mean())), final_kl=parallel.all_reduce(float(kl.sum(1).mean())))
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation

@@ -23,6 +23,7 @@ Run:
     python reward.py                                # runs/sft + embedded prefs -> runs/reward
     python reward.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/ultrafeedback_binarized \\
         --max_steps 2000
+    torchrun --nproc_per_node 2 reward.py ...       # each rank scores its own pairs (--parallel ddp | fsdp2)
 """
 
 import math
@@ -113,8 +114,8 @@ def main():
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
     if args.eval_steps < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
         common.fail("--eval_steps must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
-    parallel.single_process("reward.py")
-    common.set_seed(args.seed)
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())
     device = common.device()
 
     # ---- data: (prompt, chosen, rejected), a held-out test part
@@ -138,7 +139,10 @@ def main():
     # --use_peft: LoRA adapters on a frozen base, and the new score head trained in full
     model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
+    # dropout off (TRL's disable_dropout=True) by zeroing it, in training mode (gradient checkpointing
+    # works only there): scores are deterministic
+    common.disable_dropout(model).train()
+    model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
     common.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
@@ -155,8 +159,9 @@ def main():
     for step in pbar:
         rows = []
         for micro in range(args.gradient_accumulation_steps):
-            idx = common.batch_indices(len(train_triples), args.batch_size, args.seed,
-                                       step * args.gradient_accumulation_steps + micro)
+            # this rank's slice of the global micro-batch; the step is the position in the data
+            idx = parallel.shard(common.batch_indices(len(train_triples), args.batch_size * parallel.world_size(),
+                                                      args.seed, step * args.gradient_accumulation_steps + micro))
             chosen_rewards, rejected_rewards = pair_scores(model, tokenizer, [train_triples[i] for i in idx], args)  # (B,), (B,)
             loss, m = bradley_terry_loss(chosen_rewards, rejected_rewards)
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights

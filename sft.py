@@ -1,9 +1,10 @@
 """sft.py: supervised fine-tuning, the first stage of RLHF (Stiennon et al. 2020, Sec. 3.5).
 
 Maximises log pi(y | x) of demonstration completions y given prompts x; prompt tokens are masked
-out of the loss (TRL's `completion_only_loss`). The loss is the mean over completion tokens of
-the micro-batch, as in TRL. `messages` rows train on every assistant turn, the user (and other)
-turns between them masked (TRL's `assistant_only_loss`).
+out of the loss (TRL's `completion_only_loss`). The loss is the mean over the completion tokens of
+the optimizer batch (every micro-batch of the step, on every rank), as in TRL. `messages` rows
+train on every assistant turn, the user (and other) turns between them masked (TRL's
+`assistant_only_loss`).
 
 Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
@@ -60,9 +61,10 @@ def sft_loss(logprobs, completion_mask, num_tokens):
     `completion_mask` is the loss mask: 1 on trained tokens (all of a completion; of a
     conversation, its assistant turns).
 
-    `num_tokens` is this micro-batch's token count, averaged over ranks under torchrun: the
-    ranks' averaged loss (and gradient) is then the mean over every token of the global batch,
-    exactly what one process with the whole batch computes.
+    `num_tokens` is the token count of the whole optimizer batch (all micro-batches of the step),
+    averaged over ranks under torchrun: the micro-batches' losses then sum, and the ranks'
+    averaged gradient is the mean over every token of the global batch, exactly what one
+    process with the whole batch in one micro-batch computes (TRL's token mean).
     """
     return -(logprobs * completion_mask).sum() / num_tokens.clamp(min=1)
 
@@ -118,7 +120,7 @@ def main():
     else:
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
         model = common.load_model(args.model, args, adapters=True)  # --use_peft: LoRA adapters on a frozen base
-    model.train()
+    common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
@@ -158,7 +160,7 @@ def main():
     pbar = common.progress(args, start_step, desc="sft")
     losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
-        losses, n_tokens = [], 0
+        batches = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
             idx = parallel.shard(common.batch_indices(len(pairs), global_batch, args.seed,
@@ -166,14 +168,15 @@ def main():
             prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask, loss_mask = common.encode_turns(
                 tokenizer, [turns[i] for i in idx], args.max_completion_length, stop_ids)
-            prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-            completion_ids, completion_mask, loss_mask = completion_ids.to(device), completion_mask.to(device), loss_mask.to(device)
-
+            batches.append([t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask)])
+        # one token mean over the optimizer batch (every micro-batch, every rank; see sft_loss)
+        rank_tokens = parallel.all_reduce(sum(b[4].sum() for b in batches).float())
+        losses, n_tokens = [], 0
+        for prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask in batches:
             logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
-            rank_tokens = parallel.all_reduce(loss_mask.sum().float())  # mean over ranks (see sft_loss)
-            loss = sft_loss(logprobs, loss_mask, rank_tokens)
+            loss = sft_loss(logprobs, loss_mask, rank_tokens)  # this micro-batch's part of the step's loss
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
-            (loss / args.gradient_accumulation_steps).backward()
+            loss.backward()
             losses.append(loss.detach())
             n_tokens += int(prompt_mask.sum() + completion_mask.sum())  # this rank's input tokens (TRL's num_tokens)
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
@@ -181,7 +184,7 @@ def main():
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save
-        logger.update({"loss": torch.stack(losses).mean(), "grad_norm": grad_norm}, num_tokens=n_tokens)
+        logger.update({"loss": torch.stack(losses).sum(), "grad_norm": grad_norm}, num_tokens=n_tokens)  # parts of one mean
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
         if eval_pairs and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
@@ -194,7 +197,7 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {"final_loss": parallel.all_reduce(torch.stack(losses).mean()).item() if losses else None,
+    summary = {"final_loss": parallel.all_reduce(torch.stack(losses).sum()).item() if losses else None,
                **truncated, **init, **eval_metrics}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)

@@ -66,3 +66,29 @@ def sft_data(tmp_path):
             f.write(json.dumps({"prompt": f"POST: alice bought the bike {i % 7} . TL;DR:",
                                 "completion": " alice bought bike ." + " now" * (i % 4)}) + "\n")
     return str(path)
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward while it is active (torch.autograd.graph.saved_tensors_hooks)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __enter__(self):
+        def pack(t):
+            self.bytes += t.numel() * t.element_size()
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def run_main(module, argv, monkeypatch):
+    """Run a script's main() in this process with this command line (cheaper than a subprocess)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    module.main()

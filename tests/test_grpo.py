@@ -210,3 +210,27 @@ def test_grpo_any_model_with_user_reward_and_reward_model(tmp_path, tiny_llama):
 def test_grpo_refuses_one_generation_per_prompt(tmp_path):
     proc = run_script("grpo.py", "--num_generations", "1", "--output_dir", str(tmp_path / "o"), check=False)
     assert proc.returncode != 0 and "--num_generations 1" in proc.stderr and "at least 2" in proc.stderr
+
+
+def _step_over_micro_batches(parts, rewards, batch, a, G=4):
+    """One optimizer step's loss and gradient, its rows split into micro-batches `parts` (slices)."""
+    logprobs, old, ref, _, mask = batch
+    lp = logprobs.clone().requires_grad_()
+    advantages = grpo.batch_advantages([rewards[s] for s in parts], G, "batch")
+    num_sequences, num_tokens = grpo.batch_normalisers([mask[s] for s in parts])
+    loss = sum(grpo.grpo_loss(lp[s], old[s], ref[s], adv, mask[s], a, num_sequences, num_tokens)[0]
+               for s, adv in zip(parts, advantages))
+    loss.backward()
+    return loss.detach(), lp.grad, torch.cat(advantages)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_micro_batches_train_like_one(loss_type):
+    """--scale_rewards batch's std and dapo's token count are those of the whole optimizer batch:
+    2 micro-batches of b/2 give the loss, gradient and advantages of one micro-batch of b."""
+    batch = _random_batch(seed=1, N=16)
+    rewards = torch.randn(16, generator=torch.Generator().manual_seed(2)) * torch.arange(16) / 4  # unequal halves
+    one = _step_over_micro_batches([slice(0, 16)], rewards, batch, _args(loss_type=loss_type))
+    two = _step_over_micro_batches([slice(0, 8), slice(8, 16)], rewards, batch, _args(loss_type=loss_type))
+    for x, y in zip(one, two):
+        torch.testing.assert_close(x, y)

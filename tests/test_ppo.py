@@ -176,3 +176,52 @@ def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
     bad = run_script("ppo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope",
                      "--output_dir", out, check=False)
     assert bad.returncode != 0 and "defines no function 'nope'" in bad.stderr
+
+
+def test_gradient_checkpointing_shrinks_ppo_activations(tmp_path, tiny_qwen, monkeypatch):
+    """ppo.py keeps its trained models in training mode (dropout zeroed), so HF layers really
+    checkpoint: the bytes saved for backward in the update's forward shrink with the flag (they
+    did not when the models ran in eval mode)."""
+    from conftest import SavedBytes, run_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(4)))
+    (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    forward, saved = ppo.policy_and_values, []
+
+    def measured(policy, critic, mb, temperature):
+        if not torch.is_grad_enabled():
+            return forward(policy, critic, mb, temperature)
+        with SavedBytes() as s:
+            out = forward(policy, critic, mb, temperature)
+        saved.append(s.bytes)
+        return out
+
+    monkeypatch.setattr(ppo, "policy_and_values", measured)
+    argv = ["--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:length", "--max_steps", "1",
+            "--batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--max_completion_length", "24",
+            "--max_prompt_length", "64", "--temperature", "2.0", "--optim", "adamw"]
+    run_main(ppo, argv + ["--output_dir", str(tmp_path / "plain")], monkeypatch)
+    run_main(ppo, argv + ["--output_dir", str(tmp_path / "ckpt"), "--gradient_checkpointing"], monkeypatch)
+    plain, ckpt = saved
+    assert ckpt < 0.6 * plain, (plain, ckpt)
+
+
+def test_critic_starts_centred_like_the_score(tiny_qwen, tiny_reward_model):
+    """PPO scores R_psi(x, y) - reward_mean; the critic from the same reward model must start shifted
+    the same way (it started off by reward_mean): its values are the reward model's minus reward_mean."""
+    from transformers import AutoModelForSequenceClassification
+
+    class A:
+        dtype, attn_implementation, trust_remote_code = "float32", "sdpa", False
+
+    tok = common.load_tokenizer(tiny_qwen)
+    critic = ppo.load_critic(tiny_reward_model, A, 0.25)
+    raw = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1)
+    p_ids, p_mask = common.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
+    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " bob"])
+    with torch.no_grad():
+        values = ppo.token_values(critic, p_ids, p_mask, c_ids, c_mask)
+        expected = (ppo.token_values(raw, p_ids, p_mask, c_ids, c_mask) - 0.25) * c_mask
+    torch.testing.assert_close(values, expected)
+    assert critic.score.bias.requires_grad  # the critic learns its own offset from there

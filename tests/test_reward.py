@@ -81,3 +81,31 @@ def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen):
     bad.write_text('{"prompt": "x", "chosen": " y"}\n')
     proc = run_script("reward.py", "--model", tiny_qwen, "--dataset", str(bad), "--output_dir", str(tmp_path / "o"), check=False)
     assert proc.returncode != 0 and "no column 'rejected'" in proc.stderr
+
+
+def test_gradient_checkpointing_shrinks_reward_model_activations(tmp_path, tiny_qwen, monkeypatch):
+    """reward.py trains in training mode (dropout zeroed), so --gradient_checkpointing shrinks the
+    bytes saved for backward (in eval mode HF layers do not checkpoint)."""
+    from conftest import SavedBytes, run_main
+
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"POST: alice bought the bike {i} . TL;DR:",
+                                         "chosen": " alice bought bike ." * 3, "rejected": " bob" * (i + 5)}) + "\n"
+                             for i in range(8)))
+    forward, saved = reward.pair_scores, []
+
+    def measured(model, tokenizer, triples, args):
+        if not torch.is_grad_enabled():
+            return forward(model, tokenizer, triples, args)
+        with SavedBytes() as s:
+            out = forward(model, tokenizer, triples, args)
+        saved.append(s.bytes)
+        return out
+
+    monkeypatch.setattr(reward, "pair_scores", measured)
+    argv = ["--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "1", "--batch_size", "4", "--eval_steps", "0",
+            "--test_size", "0.25", "--optim", "adamw"]
+    run_main(reward, argv + ["--output_dir", str(tmp_path / "plain")], monkeypatch)
+    run_main(reward, argv + ["--output_dir", str(tmp_path / "ckpt"), "--gradient_checkpointing"], monkeypatch)
+    plain, ckpt = saved
+    assert ckpt < 0.6 * plain, (plain, ckpt)

@@ -63,3 +63,26 @@ def test_sft_rejects_bad_input_with_a_clear_message(tmp_path, tiny_llama):
     assert proc.returncode != 0 and "--optim 'sgd'" in proc.stderr
     proc = run_script("sft.py", "--model", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o"), check=False)
     assert proc.returncode != 0 and "does not exist" in proc.stderr
+
+
+def test_two_micro_batches_train_like_one_of_twice_the_size(tmp_path, tiny_qwen, sft_data, monkeypatch):
+    """Gradient accumulation: the loss is one token mean over the optimizer batch (TRL), not a mean of
+    per-micro-batch means, so 2 micro-batches of 4 train like 1 of 8 (completions differ in length)."""
+    import pytest
+    from conftest import run_main
+    from safetensors.torch import load_file
+
+    import sft
+
+    argv = ["--model", tiny_qwen, "--dataset", sft_data, "--max_steps", "3", "--learning_rate", "1e-2",
+            "--warmup_steps", "0", "--optim", "adamw"]
+    run_main(sft, argv + ["--batch_size", "8", "--output_dir", str(tmp_path / "one")], monkeypatch)
+    run_main(sft, argv + ["--batch_size", "4", "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "two")],
+             monkeypatch)
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    for ra, rb in zip(a, b):
+        assert ra["num_tokens"] == rb["num_tokens"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5) and rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    wa, wb = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
