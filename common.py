@@ -63,6 +63,8 @@ class TrainArgs:
     # resume and parallelism
     resume: bool = field(default=False, metadata={"help": "Continue from the newest <output_dir>/checkpoint-<step>/ (starts fresh, saying so, if there is none)."})
     resume_from_checkpoint: str = field(default="", metadata={"help": "Continue from this checkpoint folder."})
+    resume_allow_changes: bool = field(default=False, metadata={"help": "Resume even if data, batch sizes, seed, model, rewards, optimizer or algorithm flags differ from the checkpoint's args.json (the run then no longer ends where an uninterrupted one would)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an --output_dir that holds another run's model or checkpoints (they are deleted); without it (or --resume) such a folder is refused."})
     parallel: str = field(default="ddp", metadata={"help": "Under torchrun: ddp (weights replicated, gradients averaged) | fsdp2 (decoder layers sharded with fully_shard)."})
 
 
@@ -71,12 +73,17 @@ def script_name():
     return os.path.splitext(os.path.basename(sys.argv[0]))[0]
 
 
-def parse_args(cls):
-    """Parse the command line into the script's Args dataclass; fill the output folder."""
+def parse_args(cls, default_output_dir=None):
+    """Parse the command line into the script's Args dataclass; fill the output folder (runs/<script>,
+    or default_output_dir(args)) and check it before anything loads."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(cls).parse_args_into_dataclasses()
-    args.output_dir = args.output_dir or os.path.join("runs", script_name())
+    args, unknown = HfArgumentParser(cls).parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        fail(unknown_flag_message(cls, unknown))
+    args.output_dir = args.output_dir or (default_output_dir and default_output_dir(args)) or os.path.join("runs", script_name())
+    check_ranges(args)
+    check_choice("--lr_scheduler_type", args.lr_scheduler_type, scheduler_types())
     check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
     check_choice("--dtype", args.dtype, ["auto", "bfloat16", "float16", "float32"])
     check_choice("--report_to", args.report_to, ["none", "tensorboard", "wandb"])
@@ -88,10 +95,69 @@ def parse_args(cls):
     if args.resume_from_checkpoint and not os.path.isfile(os.path.join(args.resume_from_checkpoint, "trainer_state.pt")):
         fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no trainer_state.pt there; pass a "
              "<output_dir>/checkpoint-<step> folder written by --save_steps.")
-    for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "logging_steps"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    check_output_dir(args)
     return args
+
+
+# TRL (transformers.TrainingArguments) flags this project spells differently: ours, and how they differ
+TRL_NAMES = {
+    "per_device_train_batch_size": ("batch_size", ""), "per_device_eval_batch_size": ("eval_batch_size", ""),
+    "num_train_epochs": ("max_steps", "optimizer steps, not epochs: the data cycles as needed"),
+    "model_name_or_path": ("model", ""), "dataset_name": ("dataset", ""), "dataset_train_split": ("dataset_split", ""),
+    "bf16": ("dtype", "pass --dtype bfloat16"), "fp16": ("dtype", "pass --dtype float16"),
+    "warmup_ratio": ("warmup_steps", "a number of steps, not a fraction of them"),
+    "max_length": ("max_prompt_length", "prompts and completions are cut separately: also see --max_completion_length"),
+    "save_strategy": ("save_steps", "0: final save only"), "logging_dir": ("output_dir", "metrics.jsonl and trackers write there"),
+}
+
+
+def unknown_flag_message(cls, unknown):
+    """One sentence for arguments the parser did not know, with this project's name for a TRL flag."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    flag = next((a for a in unknown if a.startswith("--")), None)
+    if flag is None:
+        return (f"unexpected argument(s) {' '.join(unknown)}: every setting is a --flag value pair "
+                "(a script that takes bare arguments wants them before the first --flag).")
+    name = flag[2:].split("=")[0]
+    ours, note = TRL_NAMES.get(name, ("", ""))
+    if ours in fields:
+        return (f"unknown flag {flag}: TRL's --{name} is --{ours} here ({fields[ours].metadata.get('help', '')}"
+                + (f"; {note}" if note else "") + ").")
+    close = [f for f in fields if name.replace("-", "_") in f or f in name]
+    return f"unknown flag {flag}" + (f" (did you mean --{close[0]}?)" if close else "") + "; see --help for the flags."
+
+
+# valid ranges of the numeric flags, for those a script's Args has (checked before anything loads)
+AT_LEAST = {"max_steps": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "logging_steps": 1, "eval_batch_size": 1,
+            "max_prompt_length": 1, "max_completion_length": 1, "max_new_tokens": 1, "warmup_steps": 0,
+            "save_steps": 0, "eval_steps": 0, "weight_decay": 0, "max_grad_norm": 0, "num_prompts": 0}
+POSITIVE = ("learning_rate", "temperature")
+
+
+def check_ranges(args):
+    import dataclasses
+    import math
+
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name} must be a finite number, got {value}.")
+    for name, low in AT_LEAST.items():
+        if name in defaults and getattr(args, name) < low:
+            fail(f"--{name} must be at least {low}, got {getattr(args, name)}.")
+    for name in POSITIVE:  # a default of 0 means "chosen by the script" (dpo.py's --learning_rate)
+        if name in defaults and not (getattr(args, name) > 0 or getattr(args, name) == defaults[name] == 0):
+            fail(f"--{name} must be positive, got {getattr(args, name)}.")
+
+
+def scheduler_types():
+    """transformers' SchedulerType values that need no extra arguments (no metric, no min_lr)."""
+    from transformers.trainer_utils import SchedulerType
+
+    needs_more = {"reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"}
+    return [t.value for t in SchedulerType if t.value not in needs_more]
 
 
 def check_choice(flag, value, choices):
@@ -241,11 +307,12 @@ def stochastic_round_(target, source):
 
 
 @torch.no_grad()
-def optimizer_step(optimizer, max_grad_norm=0.0):
+def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
     """Clip gradients, step, zero gradients; low-precision weights get stochastic rounding.
 
     Returns the gradient norm before clipping. Under torchrun, gradients are first averaged
-    over ranks (see `distribute`).
+    over ranks (see `distribute`). A NaN/inf gradient norm (a finite loss can still have one)
+    stops the run at `step` before the optimizer touches the weights.
     """
     if parallel.world_size() > 1:  # under torchrun: average gradients over ranks first (see `distribute`)
         parallel.sync_gradients([p for g in optimizer.param_groups for p in g["params"]])
@@ -254,6 +321,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
         grad_norm = parallel.grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    check_finite("the gradient norm", grad_norm, step)  # same value on every rank: all stop together
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
         optimizer.step()
@@ -523,10 +591,35 @@ def load_reward_model(path, args):
 
     if not os.path.exists(os.path.join(path, "config.json")):
         fail(f"no reward model in {path}: run `python reward.py` first, or pass another path.")
+    check_score_head(path)
     tokenizer = load_tokenizer(path, args.trust_remote_code)
     model = load_model(path, args, cls=AutoModelForSequenceClassification, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     return freeze(model), tokenizer
+
+
+def check_score_head(path):
+    """A reward model is a sequence classifier whose scalar head was trained and saved: refuse a
+    folder whose safetensors weights hold no `score`/`classifier` head (e.g. a causal LM), which
+    transformers would load with a freshly initialised head, scoring at random."""
+    from glob import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return  # a Hub id, or a folder without safetensors: load_model says what is missing
+    names = set()
+    for f in files:
+        try:
+            with safe_open(f, "pt") as st:
+                names.update(st.keys())
+        except Exception as e:  # noqa: BLE001 -- torn or corrupt file
+            fail(f"{f} cannot be read ({type(e).__name__}: {e}); save the model again.")
+    if not any(n.split(".")[-2:-1] in (["score"], ["classifier"]) for n in names):
+        fail(f"{path} is not a reward model: its weights have no sequence-classification head (score.weight), so "
+             "its scores would come from a random head. reward.py writes one (AutoModelForSequenceClassification, "
+             "num_labels=1): run `python reward.py --model ...` and pass its --output_dir.")
 
 
 # ============================================================================ the embedded world
@@ -563,10 +656,21 @@ class MetricsLogger:
         self.tracker = None
         if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
             return
+        claim_output_dir(args)
         kept = []
         if start_step and os.path.exists(self.path):  # resuming: keep the lines up to the checkpoint
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+                lines = f.readlines()
+            for n, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if n == len(lines):  # torn by a kill or a full disk during the write: a step after the checkpoint
+                        print(f"resume: dropped the torn last line of {self.path}.")
+                        break
+                    fail(f"{self.path}, line {n}: not valid JSON; delete that line and resume again.")
+                if row["step"] <= start_step:
+                    kept.append(line)
         with open(self.path, "w") as f:
             f.writelines(kept)
         if args.report_to == "tensorboard":
@@ -605,6 +709,54 @@ class MetricsLogger:
             self.tracker.close() if hasattr(self.tracker, "add_scalar") else self.tracker.finish()
 
 
+_LOCK = None  # the open <output_dir>/.lock of this process, held until it exits
+
+
+def claim_output_dir(args):
+    """Lock --output_dir for this run (a second live run there is refused; the OS releases the lock
+    when the process exits, also after a crash), then clear what a previous run leaves behind: its
+    summary.json (written after the model, so one is never stale), and with --overwrite_output_dir
+    (not resuming) its checkpoints, so that a later --resume never continues another run."""
+    import fcntl
+
+    global _LOCK
+    os.makedirs(args.output_dir, exist_ok=True)
+    lock = open(os.path.join(args.output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it to end "
+             "or pass another --output_dir.")
+    lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
+    _LOCK = lock
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(args.output_dir, "summary.json"))
+    if args.overwrite_output_dir and not (args.resume or args.resume_from_checkpoint):
+        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"]
+        for name in old:
+            shutil.rmtree(os.path.join(args.output_dir, name))
+        if old:
+            print(f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(old))} from {args.output_dir}.")
+
+
+def check_output_dir(args):
+    """Before anything loads: --output_dir must not be the model it starts from, and a folder that
+    holds another run's model or checkpoints needs --resume or --overwrite_output_dir."""
+    model = getattr(args, "model", "")
+    if model and os.path.exists(model) and os.path.realpath(model) == os.path.realpath(args.output_dir):
+        fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
+             "from; pass another --output_dir.")
+    if (args.resume or args.resume_from_checkpoint or args.overwrite_output_dir or args.estimate_memory
+            or not os.path.isdir(args.output_dir)):
+        return
+    held = sorted(n for n in os.listdir(args.output_dir)
+                  if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
+    if held:
+        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", held[-1] != "config.json")] if ok)
+        fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
+             "to replace it, or another --output_dir.")
+
+
 def progress(args, start=0, desc=None):
     return tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
                 dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
@@ -622,6 +774,14 @@ def save_checkpoint(model, tokenizer, args, folder, state=None):
     never leaves half a checkpoint. Under torchrun: call on every rank; rank 0 writes."""
     state_dict = parallel.full_state_dict(model) if parallel.is_sharded(model) else None  # FSDP2: gather (collective)
     if parallel.is_main():
+        # never write a NaN/inf weight: --resume would pick it up as the newest good checkpoint
+        models = {"": state_dict if state_dict is not None else model.state_dict(),
+                  **{f"{k}.": v for k, v in (state or {}).items()
+                     if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())}}  # e.g. critic
+        for prefix, tensors in models.items():
+            if (bad := nonfinite_tensor(tensors)) is not None:
+                fail(f"the weight {prefix}{bad} holds NaN/inf; not saving {folder}. The checkpoints saved so far are "
+                     "kept: rerun with --resume to continue from the last one with a lower --learning_rate.")
         _save_folder(model, tokenizer, args, folder, state, state_dict)
     parallel.barrier()
 
@@ -683,9 +843,14 @@ def load_weights(model, folder):
 
     loaded = {}
     for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
-        loaded.update(load_file(path))
+        try:
+            loaded.update(load_file(path))
+        except Exception as e:  # noqa: BLE001 -- a torn or corrupt file: name it, offer the earlier checkpoint
+            fail(f"{path} cannot be read ({type(e).__name__}: {e}).{_earlier_checkpoints(folder)}")
     if not loaded:
         fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    if (bad := nonfinite_tensor(loaded)) is not None:
+        fail(f"{folder}: the weight {bad} holds NaN/inf; refusing to resume from it.{_earlier_checkpoints(folder)}")
     params = model.state_dict()
     unexpected = sorted(set(loaded) - set(params))
     if unexpected:
@@ -730,13 +895,70 @@ def training_state(step, optimizer, scheduler, **stateful):
             **{name: obj.state_dict() for name, obj in stateful.items()}}
 
 
-def last_checkpoint(output_dir):
-    """The newest complete <output_dir>/checkpoint-<step> (renamed into place only when whole)."""
+def checkpoints(output_dir):
+    """The complete <output_dir>/checkpoint-<step> folders (renamed into place only when whole), oldest first."""
     import re
 
     steps = [int(m.group(1)) for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
              if (m := re.fullmatch(r"checkpoint-(\d+)", n)) and os.path.isfile(os.path.join(output_dir, n, "trainer_state.pt"))]
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
+
+
+def last_checkpoint(output_dir):
+    """The newest complete <output_dir>/checkpoint-<step>, or None."""
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _earlier_checkpoints(folder):
+    """A sentence offering the checkpoints older than `folder`, for error messages."""
+    import re
+
+    folder = os.path.normpath(folder)
+    m = re.search(r"checkpoint-(\d+)$", folder)
+    older = [c for c in checkpoints(os.path.dirname(folder))
+             if os.path.normpath(c) != folder and (m is None or int(c.rsplit("-", 1)[1]) < int(m.group(1)))]
+    if not older:
+        return " No earlier checkpoint is left; start again without --resume (with --overwrite_output_dir)."
+    return (f" Resume from the previous one with --resume_from_checkpoint {older[-1]}"
+            + (f" (earlier: {', '.join(older[:-1])})." if older[:-1] else "."))
+
+
+# flags that may change when resuming: they change no example, sample or update of the steps to come
+# (--learning_rate and --max_grad_norm are the advice of check_finite; see maybe_resume)
+RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_output_dir", "resume_allow_changes",
+               "max_steps", "logging_steps", "save_steps", "eval_steps", "report_to", "eval_batch_size",
+               "estimate_memory", "gradient_checkpointing", "attn_implementation", "parallel", "offload_frozen",
+               "learning_rate", "max_grad_norm"}
+
+
+def check_resume_args(args, folder, step):
+    """Refuse a resume whose arguments differ from the checkpoint's args.json in a way that breaks
+    "ends where an uninterrupted run ends" (data, batch sizes, seed, model, rewards, optimizer,
+    algorithm), naming the flag and both values, unless --resume_allow_changes."""
+    path = os.path.join(folder, "args.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
+    if args.max_steps < step:
+        fail(f"--max_steps {args.max_steps} is below the step of {folder} ({step}): pass --max_steps >= {step}, "
+             "or take the checkpoint as it is (eval.py reads it).")
+    ours = vars(args)
+    if set(saved) - set(ours) and not getattr(args, "resume_allow_changes", False):
+        fail(f"{folder} was written by another script (its args.json has {', '.join(sorted(set(saved) - set(ours))[:3])}, "
+             f"which {script_name()}.py has not); resume it with that script.")
+    changed = [k for k in ours if k in saved and k not in RESUME_FREE and saved[k] != ours[k]]
+    if changed and not getattr(args, "resume_allow_changes", False):
+        k = changed[0]
+        fail(f"--{k} {ours[k]!r} differs from the {saved[k]!r} that {folder} was trained with"
+             + (f" (also: {', '.join('--' + c for c in changed[1:])})" if changed[1:] else "")
+             + "; the resumed run would not end where the interrupted one would. Pass the same value, or add "
+             "--resume_allow_changes to continue anyway.")
+    for k in changed:
+        print(f"resume: --{k} {ours[k]!r} replaces {saved[k]!r} (--resume_allow_changes).")
+    return saved
 
 
 def maybe_resume(args, model, optimizer, scheduler, **stateful):
@@ -751,7 +973,11 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
         if args.resume:
             print(f"resume: no checkpoint in {args.output_dir} yet; starting from step 0.")
         return 0
-    state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
+        fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+    saved = check_resume_args(args, folder, state["step"])
     load_weights(model, folder)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, s in state["optimizer"]["state"].items():  # FSDP2: re-shard full states like their parameter
@@ -760,6 +986,16 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
                 s[k] = distribute_tensor(v.to(params[i].device), params[i].device_mesh, params[i].placements)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if saved.get("learning_rate", args.learning_rate) != args.learning_rate:
+        # a new peak lr (e.g. after a NaN): the schedule keeps its step and shape, scaled to the new peak,
+        # i.e. lr(t) = new_lr * schedule(t); without this the restored scheduler would keep the old peak
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] *= args.learning_rate / base
+            group["initial_lr"] = args.learning_rate
+        scheduler.base_lrs = [args.learning_rate] * len(scheduler.base_lrs)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        print(f"resume: --learning_rate {args.learning_rate:g} replaces {saved['learning_rate']:g}; the schedule "
+              f"continues from step {state['step']}, scaled to the new peak.")
     for name, obj in stateful.items():
         obj.load_state_dict(state[name])
     if len(state["rng"]) == parallel.world_size():
@@ -773,11 +1009,20 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
 
 
 def check_finite(name, value, step):
-    """Stop the run if a loss or reward holds NaN or inf, naming the step. Call it before the
-    backward pass: the weights never see the bad value, and checkpoints already written are kept."""
+    """Stop the run if a loss, reward or gradient norm holds NaN or inf, naming the step. Call it
+    before the optimizer step: the weights never see the bad value, and checkpoints are kept."""
     t = torch.as_tensor(value).detach()
     if not torch.isfinite(t).all():
         what = "NaN" if torch.isnan(t).any() else "inf"
         fail(f"{name} is {what} at step {step}; stopped before updating the weights. The checkpoints saved so "
-             "far are kept: rerun with --resume to continue from the last good one, with a lower --learning_rate "
-             "or --max_grad_norm (or check the data / reward function of that step).")
+             "far are kept (none holds a NaN/inf weight): rerun with --resume to continue from the last one with "
+             "a lower --learning_rate (the schedule keeps its step, scaled to the new peak) or --max_grad_norm, "
+             "or check the data / reward function of that step.")
+
+
+def nonfinite_tensor(tensors):
+    """The name of the first tensor of a {name: tensor} dict that holds NaN or inf, else None."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None

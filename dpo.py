@@ -44,7 +44,6 @@ Run:
         --learning_rate 5e-7 --batch_size 4 --gradient_accumulation_steps 16
 """
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -220,9 +219,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
 
 # ------------------------------------------------------------------------ main
 def main():
-    args = common.parse_args(Args)
-    if args.online and not any(a.startswith("--output_dir") for a in sys.argv):
-        args.output_dir = f"runs/{common.script_name()}_online"
+    args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
     if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
         live_ref = args.online or not args.precompute_ref_logps
         memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
@@ -343,7 +340,7 @@ def main():
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
                           frozen={"reference model": ref_model, "reward model": judge_model})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log and save

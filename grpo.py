@@ -340,7 +340,7 @@ def main():
             del logprobs, entropy, loss
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
                           frozen={"reference model": ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log and save

@@ -352,7 +352,7 @@ def main():
                     stats.append({**pg_stats, **vf_stats, "loss": loss.detach(), "entropy": masked_mean(entropy.detach(), mb_mask)})
                 memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
                                   frozen={"reference model": ref_policy, "reward model": reward_model})
-                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
                 scheduler.step()
 
         # ---- log and save

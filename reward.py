@@ -156,7 +156,7 @@ def main():
             (loss / args.gradient_accumulation_steps).backward()
             rows.append({"loss": loss.detach(), **m, "mean_reward": torch.cat([chosen_rewards, rejected_rewards]).mean().detach()})
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log and save

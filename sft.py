@@ -132,7 +132,7 @@ def main():
             losses.append(loss.detach())
             n_tokens += round(float(rank_tokens) * parallel.world_size())
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log and save

@@ -174,5 +174,5 @@ def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert "gold_score" not in json.load(open(os.path.join(out, "summary.json")))
     bad = run_script("ppo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope",
-                     "--output_dir", out, check=False)
+                     "--output_dir", out, "--overwrite_output_dir", check=False)
     assert bad.returncode != 0 and "defines no function 'nope'" in bad.stderr
