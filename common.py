@@ -752,7 +752,7 @@ def check_output_dir(args):
     held = sorted(n for n in os.listdir(args.output_dir)
                   if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
     if held:
-        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", held[-1] != "config.json")] if ok)
+        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok)
         fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
              "to replace it, or another --output_dir.")
 

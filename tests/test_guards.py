@@ -147,14 +147,137 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
 
 def test_unknown_choices_fail_at_parse_time(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    runs = {script: subprocess.Popen([sys.executable, script, *flag, "--output_dir", str(tmp_path / "o")], cwd=ROOT,
+    finished = tmp_path / "finished"  # another run's final model and checkpoint: refused without --resume/--overwrite_output_dir
+    (finished / "checkpoint-4").mkdir(parents=True)
+    (finished / "config.json").write_text("{}")
+    (finished / "metrics.jsonl").write_text('{"step": 4}\n')
+    out = ["--output_dir", str(tmp_path / "o")]
+    runs = {script: subprocess.Popen([sys.executable, script, *flag], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for script, flag in [("dpo.py", ["--loss_type", "hinge2"]), ("sft.py", ["--parallel", "zero3"]),
-                                 ("grpo.py", ["--parallel", "fsdp2"])]}  # with the default --optim adamw_8bit
+            for script, flag in [("dpo.py", ["--loss_type", "hinge2", *out]), ("sft.py", ["--parallel", "zero3", *out]),
+                                 ("grpo.py", ["--parallel", "fsdp2", *out]),  # with the default --optim adamw_8bit
+                                 ("ppo.py", ["--output_dir", str(finished)])]}
     expected = {"dpo.py": "--loss_type 'hinge2' is not one of: sigmoid", "sft.py": "--parallel 'zero3' is not one of: ddp, fsdp2",
-                "grpo.py": "--parallel fsdp2 needs --optim adamw"}
+                "grpo.py": "--parallel fsdp2 needs --optim adamw",
+                "ppo.py": f"--output_dir {finished} holds another run's model and checkpoints (checkpoint-4, config.json)"}
     for script, proc in runs.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 1 and expected[script] in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "o")  # nothing was loaded or written
+    assert sorted(os.listdir(finished)) == ["checkpoint-4", "config.json", "metrics.jsonl"]
+    assert (finished / "metrics.jsonl").read_text() == '{"step": 4}\n'
     assert "--loss_type 'x' is not one of: a, b" in _error(common.check_choice, "--loss_type", "x", ["a", "b"])
+
+
+# ------------------------------------------------------------------ what changes the weights (#18)
+def test_nan_gradient_stops_before_the_optimizer_touches_the_weights():
+    # a finite loss can have NaN gradients (sft.py --learning_rate 1e3 did, and saved an all-NaN checkpoint)
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    model.weight.grad[0, 0] = float("nan")
+    assert "the gradient norm is NaN at step 5" in _error(common.optimizer_step, optimizer, 1.0, 5)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_no_checkpoint_holds_a_nan_weight_and_none_is_resumed(tmp_path, tiny_qwen):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    args = SimpleNamespace(learning_rate=1e-2, weight_decay=0.0, optim="adamw", lr_scheduler_type="constant",
+                           warmup_steps=0, max_steps=10, output_dir=str(tmp_path), seed=0, resume=True,
+                           resume_from_checkpoint="")
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args)
+    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-1", common.training_state(1, optimizer, scheduler))
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    msg = _error(common.save_checkpoint, model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    assert "model.norm.weight holds NaN/inf; not saving" in msg and not os.path.exists(f"{tmp_path}/checkpoint-2")
+    # one written before this guard existed: --resume refuses it and offers the previous one
+    common._save_folder(model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler), None)
+    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    assert "checkpoint-2: the weight model.norm.weight holds NaN/inf" in msg
+    assert f"--resume_from_checkpoint {tmp_path}/checkpoint-1" in msg
+    # a torn weights file: named, with the previous checkpoint offered
+    with open(f"{tmp_path}/checkpoint-2/model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    assert "checkpoint-2/model.safetensors cannot be read" in msg and "checkpoint-1" in msg
+
+
+def test_nan_logits_are_a_sentence_not_a_multinomial_error(tiny_qwen):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    ids, mask = common.encode_prompts(tok, ["POST: a . TL;DR:"])
+    msg = _error(sampling.generate, model, tok, ids, mask, 4)
+    assert "next-token logits hold NaN/inf (generated token 1)" in msg and "--learning_rate" in msg
+
+
+def test_a_causal_lm_is_not_a_reward_model(tiny_qwen):
+    # eval.py --judge rm:, grpo.py / ppo.py / dpo.py --reward_model all load through load_reward_model
+    args = type("A", (), {"dtype": "float32", "attn_implementation": "sdpa", "trust_remote_code": False,
+                          "gradient_checkpointing": False})()
+    msg = _error(common.load_reward_model, tiny_qwen, args)
+    assert f"{tiny_qwen} is not a reward model" in msg and "score.weight" in msg and "reward.py" in msg
+
+
+# ------------------------------------------------------------------ output folders (#18)
+def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
+    from types import SimpleNamespace
+
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "summary.json").write_text("{}")
+    args = SimpleNamespace(output_dir=str(out), model=tiny_qwen, resume=False, resume_from_checkpoint="",
+                           overwrite_output_dir=False, estimate_memory=False)
+    msg = _error(common.check_output_dir, args)
+    assert "holds another run's model and checkpoints (checkpoint-2, config.json)" in msg and "--overwrite_output_dir" in msg
+    assert "is the --model folder" in _error(common.check_output_dir, SimpleNamespace(**{**vars(args), "output_dir": tiny_qwen}))
+    args.overwrite_output_dir = True
+    common.check_output_dir(args)
+    # a live run holds <output_dir>/.lock: a second one is refused; the OS frees it when the holder dies
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
+                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    assert "another run is writing to" in _error(common.claim_output_dir, args)
+    assert os.path.exists(out / "checkpoint-2")  # nothing removed by the refused run
+    holder.kill()
+    holder.wait()
+    common.claim_output_dir(args)  # after the holder's crash: free again; the previous run's leftovers go
+    assert sorted(os.listdir(out)) == [".lock", "config.json"]  # the final model is replaced at the end
+    assert "another run is writing to" in _error(common.claim_output_dir, args)  # held by this process now
+    common._LOCK.close()
+
+
+# ------------------------------------------------------------------ validation before anything loads (#18)
+@pytest.mark.parametrize("script, argv, expected", [
+    ("sft.py", ["--warmup_steps", "-3"], "--warmup_steps must be at least 0, got -3"),
+    ("sft.py", ["--save_steps", "-1"], "--save_steps must be at least 0"),
+    ("sft.py", ["--learning_rate", "-1"], "--learning_rate must be positive, got -1.0"),
+    ("sft.py", ["--max_completion_length", "0"], "--max_completion_length must be at least 1"),
+    ("sft.py", ["--lr_scheduler_type", "cosine_annealing"], "--lr_scheduler_type 'cosine_annealing' is not one of: linear, cosine"),
+    ("ppo.py", ["--missing_eos_penalty", "nan"], "--missing_eos_penalty must be a finite number"),
+    ("grpo.py", ["--temperature", "0"], "--temperature must be positive"),
+    ("sft.py", ["--per_device_train_batch_size", "4"], "TRL's --per_device_train_batch_size is --batch_size here (Examples per micro-batch"),
+    ("grpo.py", ["--per_device_train_batch_size", "4"], "is --batch_size here (Prompts per micro-batch"),
+    ("sft.py", ["--num_train_epochs", "3"], "--max_steps here"),
+])
+def test_bad_flags_fail_before_anything_loads(monkeypatch, tmp_path, script, argv, expected):
+    import importlib
+
+    Args = importlib.import_module(script[:-3]).Args
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--output_dir", str(tmp_path / "o")])
+    assert expected in _error(common.parse_args, Args)
+    assert not os.path.exists(tmp_path / "o")
+    monkeypatch.setattr(sys, "argv", [script, "--output_dir", str(tmp_path / "o")])
+    common.parse_args(Args)  # the defaults pass
