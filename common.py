@@ -216,7 +216,28 @@ def load_tokenizer(name, trust_remote_code=False):
         fail(f"the tokenizer of {name} has no EOS token; set one with tokenizer.eos_token = ... and save it.")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _TOKENIZER_SIZES[name] = len(tokenizer)
     return tokenizer
+
+
+_TOKENIZER_SIZES = {}  # name -> len(tokenizer), so load_model can check the model's vocabulary covers it
+
+
+def _unreadable_safetensors(folder):
+    from glob import glob
+
+    from safetensors import safe_open
+
+    for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, "pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)
+            if os.path.getsize(path) < 8:
+                return path
+        except Exception:  # noqa: BLE001 -- the file is named in the caller's message
+            return path
+    return None
 
 
 def _saved_as_generic_tokenizer(name):
@@ -233,19 +254,54 @@ def check_model_source(name):
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            fail(f"{name} holds no model (no config.json): pass a folder written by save_pretrained or by one of the scripts.")
+        if not any(os.path.isfile(os.path.join(name, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            fail(f"{name} holds no tokenizer (no tokenizer.json / tokenizer_config.json): save one there with "
+                 "tokenizer.save_pretrained.")
+    elif not os.path.exists(name):
+        _check_hub_id(name, "model")
+
+
+def _check_hub_id(name, kind):
+    """A name that is no local path must be a Hub repo, cached or reachable: say so before anything loads."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    from huggingface_hub import HfApi
+
+    try:
+        (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
+    except Exception as e:  # noqa: BLE001 -- offline, unknown repo, gated: one sentence either way
+        fail(f"{name} is not a local {'folder' if kind == 'model' else 'file or folder'} and the Hugging Face Hub "
+             f"cannot provide it ({type(e).__name__}: {str(e)[:150]}); check the path (relative to {os.getcwd()}), "
+             "or download it while online.")
 
 
 def load_model(name, args, cls=None, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
     safetensors only, no remote code unless asked, on the training device."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     check_model_source(name)
     cls = cls or AutoModelForCausalLM
-    model = cls.from_pretrained(
-        name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
-        trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
-    )
+    try:
+        model = cls.from_pretrained(
+            name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
+            trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # torn safetensors, no weights, a config transformers rejects
+        bad = _unreadable_safetensors(name)
+        fail(f"{bad or name} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
+             + ("; the file is torn or corrupt: save the model again." if bad else "."))
+    vocab = model.get_input_embeddings().num_embeddings
+    if _TOKENIZER_SIZES.get(name, 0) > vocab:
+        fail(f"{name}: the tokenizer has {_TOKENIZER_SIZES[name]} tokens but the model's embedding only {vocab}; "
+             "token ids beyond it would crash the forward pass: resize with model.resize_token_embeddings(len(tokenizer)) "
+             "and save again.")
     if getattr(args, "gradient_checkpointing", False):
         enable_checkpointing(model)
     return model.to(device())
@@ -364,11 +420,34 @@ def load_data(spec, split="train"):
                 check_jsonl(spec)
             return load_dataset("json", data_files=spec, split="train")
         if ext == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(spec).metadata.num_rows
+            except Exception as e:  # noqa: BLE001 -- not parquet at all
+                fail(f"{spec} is not a readable parquet file ({type(e).__name__}: {e}).")
+            if rows == 0:
+                fail(f"{spec} has no rows.")
             return load_dataset("parquet", data_files=spec, split="train")
         fail(f"{spec}: unsupported file type {ext!r}; use .jsonl, .json or .parquet.")
     if spec.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(spec):
         fail(f"dataset file {spec} does not exist.")
-    return load_dataset(spec, split=split)
+    if os.path.isdir(spec):  # a folder of data files: each JSONL file is checked line by line too
+        for root, _, names in os.walk(spec):
+            for n in sorted(names):
+                if n.endswith(".jsonl"):
+                    check_jsonl(os.path.join(root, n))
+    elif not os.path.exists(spec) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
+        _check_hub_id(spec, "dataset")
+    else:
+        fail(f"dataset {spec} does not exist.")
+    try:
+        ds = load_dataset(spec, split=split)
+    except ValueError as e:  # e.g. an unknown split
+        fail(f"dataset {spec}: {str(e)[:300]}")
+    if len(ds) == 0:
+        fail(f"dataset {spec} (split {split}) has no rows.")
+    return ds
 
 
 def training_data(args, world_split):
@@ -380,9 +459,13 @@ def training_data(args, world_split):
 
 
 def check_jsonl(path):
-    with open(path) as f:
-        n = 0
-        for n, line in enumerate(f, 1):
+    rows = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
             if not line.strip():
                 continue
             try:
@@ -391,8 +474,9 @@ def check_jsonl(path):
                 fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
             if not isinstance(row, dict):
                 fail(f"{path}, line {n}: each line must be a JSON object, got {type(row).__name__}.")
-    if n == 0:
-        fail(f"{path} is empty.")
+            rows += 1
+    if rows == 0:
+        fail(f"{path} is empty (no JSON rows, only blank lines or nothing).")
 
 
 def dataset_name(spec):
@@ -416,6 +500,10 @@ def check_text(ds, columns, spec):
     """Every value of these columns is a non-empty string or a list of {role, content} messages."""
     for col in columns:
         for i, v in enumerate(ds[col]):
+            # a conversation's last message is the response (or the prompt's question): empty is an error too
+            if is_conversational(v) and v and not str(v[-1]["content"]).strip():
+                fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                     "response would train on the end-of-turn token alone. Remove the row or fill it.")
             if not ((isinstance(v, str) and v.strip()) or (is_conversational(v) and v)):
                 fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
                      f"{{role, content}} messages, got {str(v)[:80]!r}.")
@@ -453,6 +541,9 @@ def sft_pairs(ds, spec):
         for i, msgs in enumerate(ds["messages"]):
             if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or len(msgs) < 2:
                 fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn after at least one other turn.")
+            if not str(msgs[-1]["content"]).strip():
+                fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
+                     "an empty response would train on the end-of-turn token alone. Remove the row or fill it.")
             pairs.append((msgs[:-1], msgs[-1:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:
@@ -473,10 +564,20 @@ def preference_triples(ds, spec):
             if not (is_conversational(c) and is_conversational(r) and c[:-1] == r[:-1] and len(c) > 1):
                 fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
                      "conversations that differ only in the last turn.")
+            for col, v in (("chosen", c), ("rejected", r)):
+                if not str(v[-1]["content"]).strip():
+                    fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                         "response would be the end-of-turn token alone. Remove the row or fill it.")
             triples.append((c[:-1], c[-1:], r[-1:]))
-        return triples
-    check_text(ds, ["prompt", "chosen", "rejected"], spec)
-    return list(zip(ds["prompt"], ds["chosen"], ds["rejected"]))
+    else:
+        check_text(ds, ["prompt", "chosen", "rejected"], spec)
+        triples = list(zip(ds["prompt"], ds["chosen"], ds["rejected"]))
+    # chosen == rejected: kept (no preference: zero gradient in DPO's and Bradley-Terry's loss), but counted
+    same = [i for i, (_, c, r) in enumerate(triples) if c == r]
+    if same:
+        print(f"note: {len(same)} of {len(triples)} pairs of {dataset_name(spec)} have chosen == rejected (first: row "
+              f"{same[0]}); they carry no preference and are kept, diluting the batch mean.")
+    return triples
 
 
 def batch_indices(n, batch_size, seed, step):
@@ -498,6 +599,21 @@ def count_truncated(tokenizer, texts, max_length, completions=False):
     encode = encode_completions if completions else encode_prompts
     return sum(int((encode(tokenizer, texts[i:i + 1024])[1].sum(1) > max_length).sum())
                for i in range(0, len(texts), 1024))
+
+
+def truncation_counts(tokenizer, prompts, responses, args, name):
+    """prompts_truncated / completions_truncated for summary.json, counted up front and printed:
+    prompts longer than --max_prompt_length keep their last tokens, responses (dataset completions,
+    None for sampled ones, which the scripts count as they sample) keep their first
+    --max_completion_length tokens."""
+    counts = {"prompts_truncated": count_truncated(tokenizer, prompts, args.max_prompt_length),
+              "completions_truncated": count_truncated(tokenizer, responses, args.max_completion_length, True) if responses else 0}
+    if any(counts.values()):
+        print(f"{name}: {counts['prompts_truncated']} of {len(prompts)} prompts are longer than --max_prompt_length "
+              f"{args.max_prompt_length} and keep their last tokens"
+              + (f"; {counts['completions_truncated']} of {len(responses)} responses are longer than --max_completion_length "
+                 f"{args.max_completion_length} and are cut (their EOS is not seen)" if responses else ""))
+    return counts
 
 
 # ============================================================================ tokenization
@@ -563,11 +679,11 @@ def call_reward_fn(fn, prompts, completions, columns=None):
     name = getattr(fn, "__name__", str(fn))
     try:
         rewards = fn(prompts, completions, **columns)
-    except Exception as batch_error:  # noqa: BLE001 -- re-raised below with the culprit prompt
+    except (Exception, SystemExit) as batch_error:  # noqa: BLE001 -- re-raised below with the culprit prompt (sys.exit too)
         for i in range(len(prompts)):
             try:
                 fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
-            except Exception as e:  # noqa: BLE001
+            except (Exception, SystemExit) as e:  # noqa: BLE001
                 fail(f"reward function {name} raised {type(e).__name__}: {e}\n  on prompt {i}: {str(prompts[i])[:300]!r}"
                      f"\n  completion: {str(completions[i])[:300]!r}")
         fail(f"reward function {name} raised {type(batch_error).__name__}: {batch_error} on a batch of "
@@ -577,10 +693,15 @@ def call_reward_fn(fn, prompts, completions, columns=None):
         fail(f"reward function {name} returned {len(rewards)} values for {len(completions)} completions.")
     out = []
     for i, r in enumerate(rewards):
-        if r is None or not isinstance(r, (int, float)) or r != r or abs(r) == float("inf"):
+        # any real number: Python, numpy (np.float32, ...) or a 0-d tensor; not a bool, string or None
+        try:
+            value = float(r) if not isinstance(r, (bool, str, bytes)) and r is not None and not isinstance(r, complex) else None
+        except (TypeError, ValueError, RuntimeError):  # a list, a tensor of several values, ...
+            value = None
+        if value is None or value != value or abs(value) == float("inf"):
             fail(f"reward function {name} returned {r!r} for prompt {i}: {str(prompts[i])[:300]!r}; "
-                 "rewards must be finite numbers.")
-        out.append(float(r))
+                 "rewards must be finite real numbers.")
+        out.append(value)
     return torch.tensor(out)
 
 

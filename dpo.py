@@ -260,12 +260,14 @@ def main():
         prompts = list(ds["prompt"])
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
+        truncated = common.truncation_counts(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
     else:
         triples = common.preference_triples(ds, args.dataset)
         prompts = [common.render_prompt(tokenizer, p) for p, _, _ in triples]
         chosen = [common.render_completion(tokenizer, p, c) for p, c, _ in triples]
         rejected = [common.render_completion(tokenizer, p, r) for p, _, r in triples]
         n_examples = len(triples)
+        truncated = common.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
     print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
@@ -308,6 +310,7 @@ def main():
             if args.online:
                 batch, stats = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
                                             {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
+                truncated["completions_truncated"] += round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
                 if batch is None:  # every pair tied: nothing to learn from this micro-batch
                     rows.append(stats)
                     continue
@@ -358,7 +361,11 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes()}
+    truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
+        if args.online else truncated["completions_truncated"]  # sampled on every rank
+    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **truncated}
+    if args.online and truncated["completions_truncated"]:
+        print(f"dpo: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

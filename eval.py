@@ -42,6 +42,7 @@ Run:
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -244,12 +245,20 @@ def policy_names(paths):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def weights_fingerprint(path):
-    """What identifies a policy's weights: size and mtime of the folder's model files, or, for a
-    Hub id, the commit of its cached snapshot."""
+    """What identifies a policy's weights: a SHA-256 of the content of the folder's model files
+    (weights swapped in place with the same size and mtime still change it), computed once per
+    policy and run; for a Hub id, the commit of its cached snapshot."""
     if os.path.isdir(path):
-        return sorted((f, os.path.getsize(os.path.join(path, f)), os.stat(os.path.join(path, f)).st_mtime_ns)
-                      for f in os.listdir(path) if f.endswith((".safetensors", ".json", ".jinja", ".model")))
+        digest = hashlib.sha256()
+        for f in sorted(os.listdir(path)):
+            if f.endswith((".safetensors", ".json", ".jinja", ".model")) and os.path.isfile(os.path.join(path, f)):
+                digest.update(f.encode() + b"\0")
+                with open(os.path.join(path, f), "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        digest.update(block)
+        return digest.hexdigest()
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(path, "config.json")

@@ -252,6 +252,7 @@ def main():
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
     column_values = {c: ds[c] for c in extra_columns}
+    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "grpo")  # + completions as sampled
     print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {weights.tolist()}, --scale_rewards {args.scale_rewards}), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -283,6 +284,7 @@ def main():
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
                     num_return_sequences=G)
                 texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask)
+                truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]
@@ -357,9 +359,13 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
+    truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
-               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {})}
+               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **truncated_counts}
+    if truncated_counts["completions_truncated"]:
+        print(f"grpo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+              f"{args.max_completion_length} without EOS")
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

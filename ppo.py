@@ -259,6 +259,7 @@ def main():
     critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1)
     policy.eval(), critic.eval()  # dropout off everywhere (Huang et al. 2024); grads still flow
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
+    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
@@ -293,6 +294,7 @@ def main():
                  "completion_ids": torch.cat([pad_right(c[0], width, tokenizer.pad_token_id) for c in chunks]),
                  "completion_mask": torch.cat([pad_right(c[1], width) for c in chunks])}  # (N, C)
         truncated = torch.cat([c[2] for c in chunks])  # (N,)
+        truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
         mask = batch["completion_mask"].float()
 
         # 2. score and per-token rewards, all under no_grad
@@ -375,7 +377,10 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(policy, tokenizer, args)
-    summary = {**final,
+    if truncated_counts["completions_truncated"]:
+        print(f"ppo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+              f"{args.max_completion_length} without EOS")
+    summary = {**final, **truncated_counts,
                "memory_bytes": {"policy": memory.tensor_bytes(policy), "ref_policy": memory.tensor_bytes(ref_policy),
                                 "critic": memory.tensor_bytes(critic),
                                 "reward_model": memory.tensor_bytes(reward_model) if reward_model is not None else 0,

@@ -134,6 +134,8 @@ def main():
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()  # dropout off while training too (TRL's disable_dropout=True): scores are deterministic
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
+    truncated = common.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
+                                         [r for _, c, rj in train_triples for r in (c, rj)], args, "reward")
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 
@@ -181,7 +183,7 @@ def main():
     reward_mean = float(train_chosen.mean())
     summary = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "test_margin": test["margin"],
                "train_loss": train["loss"], "train_accuracy": train["accuracy"], "train_margin": train["margin"],
-               "reward_mean": reward_mean, "reward_std": float(train_chosen.std())}
+               "reward_mean": reward_mean, "reward_std": float(train_chosen.std()), **truncated}
     if args.dataset == common.EMBEDDED and not args.eval_dataset:
         # the gold judge's own preference on the test pairs (ties count 1/2): what the noisy labels estimate
         gold = torch.tensor(test_ds["chosen_gold"]) - torch.tensor(test_ds["rejected_gold"])

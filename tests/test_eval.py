@@ -199,3 +199,18 @@ def test_end_to_end(tiny_folders):
     assert "score" not in llm_results["policies"]["pi0"] and "gold_counts" not in llm_results["policies"]["pi0"]
     gens = [json.loads(line) for line in open(out_llm / "generations.jsonl")]
     assert gens == read_jsonl(out / "generations.jsonl")
+
+
+def test_cache_key_follows_the_weights_content(tmp_path):
+    """Weights swapped in place with the same size and mtime must not reuse stale generations."""
+    folder = tmp_path / "pi"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    stat = os.stat(weights)
+    before = ev.weights_fingerprint(str(folder))
+    weights.write_bytes(b"b" * 64)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime
+    ev.weights_fingerprint.cache_clear()  # computed once per policy and run: a new run computes it again
+    assert ev.weights_fingerprint(str(folder)) != before

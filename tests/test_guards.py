@@ -271,6 +271,8 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     ("sft.py", ["--per_device_train_batch_size", "4"], "TRL's --per_device_train_batch_size is --batch_size here (Examples per micro-batch"),
     ("grpo.py", ["--per_device_train_batch_size", "4"], "is --batch_size here (Prompts per micro-batch"),
     ("sft.py", ["--num_train_epochs", "3"], "--max_steps here"),
+    ("eval.py", ["--judge", "gold", "runs/sft"], "unexpected argument(s) runs/sft: every setting is a --flag value pair "
+                                                 "(a script that takes bare arguments wants them before the first --flag)"),
 ])
 def test_bad_flags_fail_before_anything_loads(monkeypatch, tmp_path, script, argv, expected):
     import importlib
@@ -281,3 +283,88 @@ def test_bad_flags_fail_before_anything_loads(monkeypatch, tmp_path, script, arg
     assert not os.path.exists(tmp_path / "o")
     monkeypatch.setattr(sys, "argv", [script, "--output_dir", str(tmp_path / "o")])
     common.parse_args(Args)  # the defaults pass
+
+
+# ------------------------------------------------------------------ one sentence, not a traceback (#18)
+def test_bad_data_files_are_one_sentence(tmp_path):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\n")
+    assert "blank.jsonl is empty (no JSON rows" in _error(common.load_data, str(blank))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    assert "latin.jsonl, line 2: not UTF-8 (byte 0xe9 at column 16)" in _error(common.load_data, str(latin))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    assert "empty.parquet has no rows" in _error(common.load_data, str(tmp_path / "empty.parquet"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert "train.jsonl, line 2: not valid JSON" in _error(common.load_data, str(folder))
+    assert "dataset ./nope does not exist" in _error(common.load_data, "./nope")
+
+
+def test_empty_conversational_responses_and_identical_pairs(capsys):
+    from datasets import Dataset
+
+    user = {"role": "user", "content": "POST: a . TL;DR:"}
+    msgs = Dataset.from_list([{"messages": [user, {"role": "assistant", "content": " "}]}])
+    assert "row 0, column 'messages': the last assistant message is empty" in _error(common.sft_pairs, msgs, "m.jsonl")
+    conv = Dataset.from_list([{"chosen": [user, {"role": "assistant", "content": ""}],
+                               "rejected": [user, {"role": "assistant", "content": "b"}]}])
+    assert "row 0, column 'chosen': the last assistant message is empty" in _error(common.preference_triples, conv, "p.jsonl")
+    with_prompt = Dataset.from_list([{"prompt": [user], "chosen": [{"role": "assistant", "content": ""}],
+                                      "rejected": [{"role": "assistant", "content": "b"}]}])
+    assert "row 0, column 'chosen'" in _error(common.preference_triples, with_prompt, "p.jsonl")
+    same = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "c", "rejected": "c"}])
+    assert len(common.preference_triples(same, "p.jsonl")) == 2  # kept, but counted
+    assert "1 of 2 pairs of p.jsonl have chosen == rejected (first: row 1)" in capsys.readouterr().out
+
+
+def test_bad_model_folders_are_one_sentence(tmp_path, tiny_qwen):
+    import shutil
+
+    args = type("A", (), {"dtype": "float32", "attn_implementation": "sdpa", "trust_remote_code": False})()
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(tiny_qwen, no_tok, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert "holds no tokenizer" in _error(common.load_tokenizer, str(no_tok))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no model (no config.json)" in _error(common.load_model, str(empty), args)
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_qwen, torn)
+    with open(torn / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(torn / "model.safetensors") // 2)
+    msg = _error(common.load_model, str(torn), args)
+    assert f"{torn}/model.safetensors cannot be loaded" in msg and "torn or corrupt" in msg
+    small = tmp_path / "small"  # a vocabulary smaller than the tokenizer
+    tok = world.build_tokenizer()
+    world.build_model(tok, hidden_size=32, num_layers=1).save_pretrained(small)
+    tok.add_tokens(["zebra", "quokka"])
+    tok.save_pretrained(small)
+    common.load_tokenizer(str(small))
+    # not a folder here (e.g. a relative path with a typo) and not on the Hub (offline here): one sentence
+    assert "nobody-xyz/no-such-model is not a local folder and the Hugging Face Hub cannot provide it" in _error(
+        common.check_model_source, "nobody-xyz/no-such-model")
+    assert f"the tokenizer has {len(tok)} tokens but the model's embedding only {len(tok) - 2}" in _error(
+        common.load_model, str(small), args)
+
+
+def test_reward_functions_return_any_real_number_and_may_not_exit():
+    import numpy as np
+
+    rewards = common.call_reward_fn(lambda p, c: [np.float32(0.5), torch.tensor(-1.0), 2, np.int64(3)], list("abcd"), list("wxyz"))
+    assert rewards.tolist() == [0.5, -1.0, 2.0, 3.0]
+    assert "returned True for prompt 0" in _error(common.call_reward_fn, lambda p, c: [True], ["a"], ["b"])
+    assert "returned tensor([1., 2.])" in _error(common.call_reward_fn, lambda p, c: [torch.tensor([1.0, 2.0])], ["a"], ["b"])
+
+    def quits(prompts, completions):
+        import sys
+
+        if any("bad" in p for p in prompts):
+            sys.exit(3)
+        return [1.0] * len(prompts)
+
+    msg = _error(common.call_reward_fn, quits, ["ok", "a bad one"], ["x", "y"])
+    assert "reward function quits raised SystemExit: 3" in msg and "prompt 1" in msg and "a bad one" in msg
