@@ -203,6 +203,10 @@ def load_tokenizer(name, trust_remote_code=False):
     from transformers import AutoTokenizer
 
     check_model_source(name)
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f))
+                                       for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        fail(f"{name} holds no tokenizer (no tokenizer.json / tokenizer_config.json): save one there with "
+             "tokenizer.save_pretrained.")
     if _saved_as_generic_tokenizer(name):
         # transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer for the
         # world's tiny Qwen2) and rebuild its pre-tokenizer and decoder, breaking a custom
@@ -257,9 +261,6 @@ def check_model_source(name):
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             fail(f"{name} holds no model (no config.json): pass a folder written by save_pretrained or by one of the scripts.")
-        if not any(os.path.isfile(os.path.join(name, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            fail(f"{name} holds no tokenizer (no tokenizer.json / tokenizer_config.json): save one there with "
-                 "tokenizer.save_pretrained.")
     elif not os.path.exists(name):
         _check_hub_id(name, "model")
 

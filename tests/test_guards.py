@@ -3,14 +3,18 @@ on (naming the step, flag, row or prompt), or counts and logs what it skipped or
 crash deep in a stack.
 
 Decisions (documented here and in the README):
-- NaN/inf loss or reward: stop before the weights are updated, name the step, keep checkpoints.
+- NaN/inf loss, reward or gradient norm: stop before the optimizer touches the weights, name the
+  step, keep checkpoints; a checkpoint holding a NaN/inf weight is never written nor resumed from.
+- chosen == rejected: kept (zero gradient) and counted in a printed note, not refused.
+- an --output_dir holding another run: refused unless --resume or --overwrite_output_dir.
 - prompts (completions) longer than --max_prompt_length (--max_completion_length): cut, counted
   up front, printed, and written to summary.json as prompts_truncated (completions_truncated).
 - an empty response in the data: a clear error naming the row; an empty *generated* response
   is a valid completion (EOS only) that rewards score like any other.
 - a dataset smaller than one batch: allowed; batch_indices cycles, so a batch repeats examples
   (a note is printed).
-- an unknown --loss_type / --parallel / --optim: an error at parse time, before anything loads.
+- an unknown --loss_type / --parallel / --optim / --lr_scheduler_type, a flag out of its range, an
+  unknown flag (with our name for a TRL flag): an error at parse time, before anything loads.
 """
 
 import json
