@@ -838,7 +838,8 @@ def claim_output_dir(args):
     """Lock --output_dir for this run (a second live run there is refused; the OS releases the lock
     when the process exits, also after a crash), then clear what a previous run leaves behind: its
     summary.json (written after the model, so one is never stale), and with --overwrite_output_dir
-    (not resuming) its checkpoints, so that a later --resume never continues another run."""
+    (not resuming) its checkpoints and final model, so that a later --resume never continues
+    another run and a crash never leaves the old model looking current."""
     import fcntl
 
     global _LOCK
@@ -854,9 +855,11 @@ def claim_output_dir(args):
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(args.output_dir, "summary.json"))
     if args.overwrite_output_dir and not (args.resume or args.resume_from_checkpoint):
-        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"]
+        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"
+               or n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]  # its final model
         for name in old:
-            shutil.rmtree(os.path.join(args.output_dir, name))
+            path = os.path.join(args.output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         if old:
             print(f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(old))} from {args.output_dir}.")
 
@@ -1080,6 +1083,9 @@ def check_resume_args(args, folder, step):
              "--resume_allow_changes to continue anyway.")
     for k in changed:
         print(f"resume: --{k} {ours[k]!r} replaces {saved[k]!r} (--resume_allow_changes).")
+    if saved.get("max_steps", args.max_steps) != args.max_steps:
+        print(f"resume: --max_steps {args.max_steps} replaces {saved['max_steps']}; a decaying --lr_scheduler_type "
+              "stretches to the new length from the current step.")
     return saved
 
 
