@@ -292,9 +292,9 @@ def generate_responses(path, name, raw_prompts, args):
         return out["responses"], out["truncated"]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    knobs = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                               args.eval_batch_size, **sampling)
+                                               args.eval_batch_size, **knobs)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     common.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
