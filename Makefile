@@ -11,14 +11,16 @@ install:
 	@$(PYTHON) -m pip install -q -r requirements.txt
 
 # The whole pipeline on the embedded world (2 CPU cores: see the README for times).
+# The scripts refuse an --output_dir that holds another run; the demo replaces its own runs/ (saying so).
 demo: install
-	$(PYTHON) sft.py
-	$(PYTHON) reward.py
-	$(PYTHON) ppo.py
-	$(PYTHON) dpo.py
-	$(PYTHON) dpo.py --online
-	$(PYTHON) grpo.py
-	$(PYTHON) grpo.py --reward_model runs/reward --output_dir runs/grpo_rm
+	@[ ! -d runs ] || echo "demo: runs/ holds an earlier demo: each step below replaces its folder (--overwrite_output_dir)"
+	$(PYTHON) sft.py --overwrite_output_dir
+	$(PYTHON) reward.py --overwrite_output_dir
+	$(PYTHON) ppo.py --overwrite_output_dir
+	$(PYTHON) dpo.py --overwrite_output_dir
+	$(PYTHON) dpo.py --online --overwrite_output_dir
+	$(PYTHON) grpo.py --overwrite_output_dir
+	$(PYTHON) grpo.py --reward_model runs/reward --output_dir runs/grpo_rm --overwrite_output_dir
 	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo runs/grpo_rm
 
 # RLVR on the arithmetic world (world_arith.py): SFT from scratch on noisy worked solutions, then

@@ -100,6 +100,8 @@ class TrainArgs(ModelArgs):
     # resume and parallelism
     resume: bool = field(default=False, metadata={"help": "Continue from the newest <output_dir>/checkpoint-<step>/ (starts fresh, saying so, if there is none)."})
     resume_from_checkpoint: str = field(default="", metadata={"help": "Continue from this checkpoint folder."})
+    resume_allow_changes: bool = field(default=False, metadata={"help": "Resume even if data, batch sizes, seed, model, rewards, optimizer or algorithm flags differ from the checkpoint's args.json (the run then no longer ends where an uninterrupted one would)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an --output_dir that holds another run's model or checkpoints (they are deleted); without it (or --resume) such a folder is refused."})
     parallel: str = field(default="ddp", metadata={"help": "Under torchrun: ddp (weights replicated, gradients averaged) | fsdp2 (decoder layers sharded with fully_shard)."})
 
 
@@ -128,16 +130,22 @@ def script_name():
     return os.path.splitext(os.path.basename(sys.argv[0]))[0]
 
 
-def parse_args(cls):
-    """Parse the command line into the script's Args dataclass; fill the output folder."""
+def parse_args(cls, default_output_dir=None):
+    """Parse the command line into the script's Args dataclass; fill the output folder (runs/<script>,
+    or default_output_dir(args)) and check it before anything loads."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(cls)
     for action in parser._actions:  # an empty default reads as nothing, not "(default: )"
         if action.default == "" and action.help:
             action.help += "%(default)s"
-    (args,) = parser.parse_args_into_dataclasses()
-    args.output_dir = args.output_dir or os.path.join("runs", script_name())
+    args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        fail(unknown_flag_message(cls, unknown))
+    args.output_dir = args.output_dir or (default_output_dir and default_output_dir(args)) or os.path.join("runs", script_name())
+    check_ranges(args)
+    check_choice("--lr_scheduler_type", args.lr_scheduler_type, scheduler_types())
+    check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
     check_choice("--dtype", args.dtype, ["auto", "bfloat16", "float16", "float32"])
     check_choice("--attn_implementation", args.attn_implementation, ["auto", "sdpa", "eager", "flash_attention_2"])
     try:
@@ -179,9 +187,7 @@ def parse_args(cls):
         fail("pass one of --load_in_4bit and --load_in_8bit, not both.")
     if args.use_peft and args.parallel == "fsdp2":
         fail("--use_peft runs under torchrun with --parallel ddp only (FSDP2 would shard the peft wrapper's layers).")
-    for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "logging_steps"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    check_output_dir(args)
     return args
 
 
@@ -230,6 +236,66 @@ def passed(name):
     return any(a.startswith("--") and a[2:].split("=")[0].replace("-", "_") == name for a in sys.argv[1:])
 
 
+# TRL (transformers.TrainingArguments) flags this project spells differently: ours, and how they differ
+TRL_NAMES = {
+    "per_device_train_batch_size": ("batch_size", ""), "per_device_eval_batch_size": ("eval_batch_size", ""),
+    "model_name_or_path": ("model", ""), "dataset_name": ("dataset", ""), "dataset_train_split": ("dataset_split", ""),
+    "bf16": ("dtype", "pass --dtype bfloat16"), "fp16": ("dtype", "pass --dtype float16"),
+    "warmup_ratio": ("warmup_steps", "a number of steps, not a fraction of them"),
+    "max_length": ("max_prompt_length", "prompts and completions are cut separately: also see --max_completion_length"),
+    "save_strategy": ("save_steps", "0: final save only"), "logging_dir": ("output_dir", "metrics.jsonl and trackers write there"),
+}
+
+
+def unknown_flag_message(cls, unknown):
+    """One sentence for arguments the parser did not know, with this project's name for a TRL flag."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    flag = next((a for a in unknown if a.startswith("--")), None)
+    if flag is None:
+        return (f"unexpected argument(s) {' '.join(unknown)}: every setting is a --flag value pair "
+                "(a script that takes bare arguments wants them before the first --flag).")
+    name = flag[2:].split("=")[0]
+    ours, note = TRL_NAMES.get(name, ("", ""))
+    if ours in fields:
+        return (f"unknown flag {flag}: TRL's --{name} is --{ours} here ({fields[ours].metadata.get('help', '')}"
+                + (f"; {note}" if note else "") + ").")
+    close = [f for f in fields if name.replace("-", "_") in f or f in name]
+    return f"unknown flag {flag}" + (f" (did you mean --{close[0]}?)" if close else "") + "; see --help for the flags."
+
+
+# valid ranges of the numeric flags, for those a script's Args has (checked before anything loads)
+AT_LEAST = {"max_steps": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "logging_steps": 1, "eval_batch_size": 1,
+            "max_prompt_length": 1, "max_completion_length": 1, "max_new_tokens": 1, "warmup_steps": 0,
+            "save_steps": 0, "eval_steps": 0, "weight_decay": 0, "max_grad_norm": 0, "num_prompts": 0}
+POSITIVE = ("learning_rate", "temperature")
+
+
+def check_ranges(args):
+    import dataclasses
+    import math
+
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name} must be a finite number, got {value}.")
+    for name, low in AT_LEAST.items():
+        if name in defaults and getattr(args, name) < low:
+            fail(f"--{name} must be at least {low}, got {getattr(args, name)}.")
+    for name in POSITIVE:  # a default of 0 means "chosen by the script" (dpo.py's --learning_rate)
+        if name in defaults and not (getattr(args, name) > 0 or getattr(args, name) == defaults[name] == 0):
+            fail(f"--{name} must be positive, got {getattr(args, name)}.")
+
+
+def scheduler_types():
+    """transformers' SchedulerType values that need no extra arguments (no metric, no min_lr)."""
+    from transformers.trainer_utils import SchedulerType
+
+    needs_more = {"reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"}
+    return [t.value for t in SchedulerType if t.value not in needs_more]
+
+
 def check_choice(flag, value, choices):
     if value not in choices:
         fail(f"{flag} {value!r} is not one of: {', '.join(choices)}.")
@@ -273,6 +339,10 @@ def load_tokenizer(name, trust_remote_code=False):
     from transformers import AutoTokenizer
 
     check_model_source(name)
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f))
+                                       for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        fail(f"{name} holds no tokenizer (no tokenizer.json / tokenizer_config.json): save one there with "
+             "tokenizer.save_pretrained.")
     if _saved_as_generic_tokenizer(name):
         # transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer for the
         # world's tiny Qwen2) and rebuild its pre-tokenizer and decoder, breaking a custom
@@ -286,7 +356,26 @@ def load_tokenizer(name, trust_remote_code=False):
         fail(f"the tokenizer of {name} has no EOS token; set one with tokenizer.eos_token = ... and save it.")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _TOKENIZER_SIZES[name] = len(tokenizer)
     return tokenizer
+
+
+_TOKENIZER_SIZES = {}  # name -> len(tokenizer), so load_model can check the model's vocabulary covers it
+
+
+def _unreadable_safetensors(folder):
+    """The first *.safetensors file of a folder whose header does not cover the file (torn), or None."""
+    from glob import glob
+
+    from safetensors import safe_open
+
+    for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, "pt") as f:
+                f.keys()
+        except Exception:  # noqa: BLE001 -- the file is named in the caller's message
+            return path
+    return None
 
 
 def _saved_as_generic_tokenizer(name):
@@ -303,6 +392,27 @@ def check_model_source(name):
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            fail(f"{name} holds no model (no config.json): pass a folder written by save_pretrained or by one of the scripts.")
+    elif not os.path.exists(name):
+        _check_hub_id(name, "model")
+
+
+def _check_hub_id(name, kind):
+    """A name that is no local path must be a Hub repo, cached or reachable: say so before anything loads."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    from huggingface_hub import HfApi
+
+    try:
+        (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
+    except Exception as e:  # noqa: BLE001 -- offline, unknown repo, gated: one sentence either way
+        fail(f"{name} is not a local {'folder' if kind == 'model' else 'file or folder'} and the Hugging Face Hub "
+             f"cannot provide it ({type(e).__name__}: {str(e)[:150]}); check the path (relative to {os.getcwd()}), "
+             "or download it while online.")
 
 
 def load_model(name, args, cls=None, adapters=False, **kwargs):
@@ -316,6 +426,7 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
     task_type SEQ_CLS) is trained in full next to them (peft's modules_to_save). Frozen models
     (`adapters=False`) load as before, in --dtype.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_model_source(name)
@@ -329,10 +440,20 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
             load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit, bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch_dtype(args.dtype))
         kwargs["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
-    model = cls.from_pretrained(
-        name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
-        trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
-    )
+    try:
+        model = cls.from_pretrained(
+            name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
+            trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # torn safetensors, no weights, a config transformers rejects
+        bad = _unreadable_safetensors(name)
+        fail(f"{bad or name} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
+             + ("; the file is torn or corrupt: save the model again." if bad else "."))
+    vocab = model.get_input_embeddings().num_embeddings
+    if _TOKENIZER_SIZES.get(name, 0) > vocab:
+        fail(f"{name}: the tokenizer has {_TOKENIZER_SIZES[name]} tokens but the model's embedding only {vocab}; "
+             "token ids beyond it would crash the forward pass: resize with model.resize_token_embeddings(len(tokenizer)) "
+             "and save again.")
     if "device_map" not in kwargs:  # quantised weights are placed by from_pretrained and cannot be moved
         model = model.to(device())
     for module in model.modules():  # bitsandbytes 0.50 on the CPU repacks 4-bit weights at the first
@@ -523,11 +644,12 @@ def rounding_generator(optimizer, device):
 
 
 @torch.no_grad()
-def optimizer_step(optimizer, max_grad_norm=0.0):
+def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
     """Clip gradients, step, zero gradients; low-precision weights get stochastic rounding.
 
     Returns the gradient norm before clipping. Under torchrun, gradients are first averaged
-    over ranks (see `distribute`).
+    over ranks (see `distribute`). A NaN/inf gradient norm (a finite loss can still have one)
+    stops the run at `step` before the optimizer touches the weights.
     """
     if parallel.world_size() > 1:  # under torchrun: average gradients over ranks first (see `distribute`)
         parallel.sync_gradients([p for g in optimizer.param_groups for p in g["params"]])
@@ -536,6 +658,7 @@ def optimizer_step(optimizer, max_grad_norm=0.0):
         grad_norm = parallel.grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    check_finite("the gradient norm", grad_norm, step)  # same value on every rank: all stop together
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
         optimizer.step()
@@ -579,11 +702,34 @@ def load_data(spec, split="train"):
                 check_jsonl(spec)
             return load_dataset("json", data_files=spec, split="train")
         if ext == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(spec).metadata.num_rows
+            except Exception as e:  # noqa: BLE001 -- not parquet at all
+                fail(f"{spec} is not a readable parquet file ({type(e).__name__}: {e}).")
+            if rows == 0:
+                fail(f"{spec} has no rows.")
             return load_dataset("parquet", data_files=spec, split="train")
         fail(f"{spec}: unsupported file type {ext!r}; use .jsonl, .json or .parquet.")
     if spec.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(spec):
         fail(f"dataset file {spec} does not exist.")
-    return load_dataset(spec, split=split)
+    if os.path.isdir(spec):  # a folder of data files: each JSONL file is checked line by line too
+        for root, _, names in os.walk(spec):
+            for n in sorted(names):
+                if n.endswith(".jsonl"):
+                    check_jsonl(os.path.join(root, n))
+    elif not os.path.exists(spec) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
+        _check_hub_id(spec, "dataset")
+    else:
+        fail(f"dataset {spec} does not exist.")
+    try:
+        ds = load_dataset(spec, split=split)
+    except ValueError as e:  # e.g. an unknown split
+        fail(f"dataset {spec}: {str(e)[:300]}")
+    if len(ds) == 0:
+        fail(f"dataset {spec} (split {split}) has no rows.")
+    return ds
 
 
 def training_data(args, world_split):
@@ -610,9 +756,13 @@ def eval_data(args):
 
 
 def check_jsonl(path):
-    with open(path) as f:
-        n = 0
-        for n, line in enumerate(f, 1):
+    rows = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
             if not line.strip():
                 continue
             try:
@@ -621,8 +771,9 @@ def check_jsonl(path):
                 fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
             if not isinstance(row, dict):
                 fail(f"{path}, line {n}: each line must be a JSON object, got {type(row).__name__}.")
-    if n == 0:
-        fail(f"{path} is empty.")
+            rows += 1
+    if rows == 0:
+        fail(f"{path} is empty (no JSON rows, only blank lines or nothing).")
 
 
 def dataset_name(spec):
@@ -646,6 +797,10 @@ def check_text(ds, columns, spec):
     """Every value of these columns is a non-empty string or a list of {role, content} messages."""
     for col in columns:
         for i, v in enumerate(ds[col]):
+            # a conversation's last message is the response (or the prompt's question): empty is an error too
+            if is_conversational(v) and v and not str(v[-1]["content"]).strip():
+                fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                     "response would train on the end-of-turn token alone. Remove the row or fill it.")
             if not ((isinstance(v, str) and v.strip()) or (is_conversational(v) and v)):
                 fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
                      f"{{role, content}} messages, got {str(v)[:80]!r}.")
@@ -729,6 +884,9 @@ def sft_pairs(ds, spec):
             if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
                 fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
                      "at least one other turn before its first assistant turn.")
+            if not str(msgs[-1]["content"]).strip():
+                fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
+                     "an empty response would train on the end-of-turn token alone. Remove the row or fill it.")
             pairs.append((msgs[:first], msgs[first:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:
@@ -749,10 +907,20 @@ def preference_triples(ds, spec):
             if not (is_conversational(c) and is_conversational(r) and c[:-1] == r[:-1] and len(c) > 1):
                 fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
                      "conversations that differ only in the last turn.")
+            for col, v in (("chosen", c), ("rejected", r)):
+                if not str(v[-1]["content"]).strip():
+                    fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                         "response would be the end-of-turn token alone. Remove the row or fill it.")
             triples.append((c[:-1], c[-1:], r[-1:]))
-        return triples
-    check_text(ds, ["prompt", "chosen", "rejected"], spec)
-    return list(zip(ds["prompt"], ds["chosen"], ds["rejected"]))
+    else:
+        check_text(ds, ["prompt", "chosen", "rejected"], spec)
+        triples = list(zip(ds["prompt"], ds["chosen"], ds["rejected"]))
+    # chosen == rejected: kept (no preference: zero gradient in DPO's and Bradley-Terry's loss), but counted
+    same = [i for i, (_, c, r) in enumerate(triples) if c == r]
+    if same:
+        print(f"note: {len(same)} of {len(triples)} pairs of {dataset_name(spec)} have chosen == rejected (first: row "
+              f"{same[0]}); they carry no preference and are kept, diluting the batch mean.")
+    return triples
 
 
 def batch_indices(n, batch_size, seed, step):
@@ -774,6 +942,21 @@ def count_truncated(tokenizer, texts, max_length, completions=False):
     encode = encode_completions if completions else encode_prompts
     return sum(int((encode(tokenizer, texts[i:i + 1024])[1].sum(1) > max_length).sum())
                for i in range(0, len(texts), 1024))
+
+
+def truncation_counts(tokenizer, prompts, responses, args, name):
+    """prompts_truncated / completions_truncated for summary.json, counted up front and printed:
+    prompts longer than --max_prompt_length keep their last tokens, responses (dataset completions,
+    None for sampled ones, which the scripts count as they sample) keep their first
+    --max_completion_length tokens."""
+    counts = {"prompts_truncated": count_truncated(tokenizer, prompts, args.max_prompt_length),
+              "completions_truncated": count_truncated(tokenizer, responses, args.max_completion_length, True) if responses else 0}
+    if any(counts.values()):
+        print(f"{name}: {counts['prompts_truncated']} of {len(prompts)} prompts are longer than --max_prompt_length "
+              f"{args.max_prompt_length} and keep their last tokens"
+              + (f"; {counts['completions_truncated']} of {len(responses)} responses are longer than --max_completion_length "
+                 f"{args.max_completion_length} and are cut (their EOS is not seen)" if responses else ""))
+    return counts
 
 
 # ============================================================================ tokenization
@@ -865,11 +1048,11 @@ def call_reward_fn(fn, prompts, completions, columns=None):
     name = getattr(fn, "__name__", str(fn))
     try:
         rewards = fn(prompts, completions, **columns)
-    except Exception as batch_error:  # noqa: BLE001 -- re-raised below with the culprit prompt
+    except (Exception, SystemExit) as batch_error:  # noqa: BLE001 -- re-raised below with the culprit prompt (sys.exit too)
         for i in range(len(prompts)):
             try:
                 fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
-            except Exception as e:  # noqa: BLE001
+            except (Exception, SystemExit) as e:  # noqa: BLE001
                 fail(f"reward function {name} raised {type(e).__name__}: {e}\n  on prompt {i}: {str(prompts[i])[:300]!r}"
                      f"\n  completion: {str(completions[i])[:300]!r}")
         fail(f"reward function {name} raised {type(batch_error).__name__}: {batch_error} on a batch of "
@@ -879,10 +1062,15 @@ def call_reward_fn(fn, prompts, completions, columns=None):
         fail(f"reward function {name} returned {len(rewards)} values for {len(completions)} completions.")
     out = []
     for i, r in enumerate(rewards):
-        if r is None or not isinstance(r, (int, float)) or r != r or abs(r) == float("inf"):
+        # any real number: Python, numpy (np.float32, ...) or a 0-d tensor; not a bool, string or None
+        try:
+            value = float(r) if not isinstance(r, (bool, str, bytes)) and r is not None and not isinstance(r, complex) else None
+        except (TypeError, ValueError, RuntimeError):  # a list, a tensor of several values, ...
+            value = None
+        if value is None or value != value or abs(value) == float("inf"):
             fail(f"reward function {name} returned {r!r} for prompt {i}: {str(prompts[i])[:300]!r}; "
-                 "rewards must be finite numbers.")
-        out.append(float(r))
+                 "rewards must be finite real numbers.")
+        out.append(value)
     return torch.tensor(out)
 
 
@@ -893,10 +1081,35 @@ def load_reward_model(path, args):
 
     if not os.path.exists(os.path.join(path, "config.json")):
         fail(f"no reward model in {path}: run `python reward.py` first, or pass another path.")
+    check_score_head(path)
     tokenizer = load_tokenizer(path, args.trust_remote_code)
     model = load_model(path, args, cls=AutoModelForSequenceClassification, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     return freeze(model), tokenizer
+
+
+def check_score_head(path):
+    """A reward model is a sequence classifier whose scalar head was trained and saved: refuse a
+    folder whose safetensors weights hold no `score`/`classifier` head (e.g. a causal LM), which
+    transformers would load with a freshly initialised head, scoring at random."""
+    from glob import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return  # a Hub id, or a folder without safetensors: load_model says what is missing
+    names = set()
+    for f in files:
+        try:
+            with safe_open(f, "pt") as st:
+                names.update(st.keys())
+        except Exception as e:  # noqa: BLE001 -- torn or corrupt file
+            fail(f"{f} cannot be read ({type(e).__name__}: {e}); save the model again.")
+    if not any(n.split(".")[-2:-1] in (["score"], ["classifier"]) for n in names):
+        fail(f"{path} is not a reward model: its weights have no sequence-classification head (score.weight), so "
+             "its scores would come from a random head. reward.py writes one (AutoModelForSequenceClassification, "
+             "num_labels=1): run `python reward.py --model ...` and pass its --output_dir.")
 
 
 # ============================================================================ the embedded world
@@ -956,10 +1169,21 @@ class MetricsLogger:
         self.window, self.num_tokens, self.num_tokens_before = [], 0, 0
         if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
             return
+        claim_output_dir(args)
         kept = []
         if start_step and os.path.exists(self.path):  # resuming: keep the lines up to the checkpoint
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start_step]
+                lines = f.readlines()
+            for n, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if n == len(lines):  # torn by a kill or a full disk during the write: a step after the checkpoint
+                        print(f"resume: dropped the torn last line of {self.path}.")
+                        break
+                    fail(f"{self.path}, line {n}: not valid JSON; delete that line and resume again.")
+                if row["step"] <= start_step:
+                    kept.append(line)
         self.num_tokens_before = max([json.loads(line).get("num_tokens", 0) for line in kept] or [0])
         with open(self.path, "w") as f:
             f.writelines(kept)
@@ -1052,6 +1276,57 @@ def log_completions(args, step, prompts, completions, rewards):
     tqdm.write("\n".join(lines))
 
 
+_LOCK = None  # the open <output_dir>/.lock of this process, held until it exits
+
+
+def claim_output_dir(args):
+    """Lock --output_dir for this run (a second live run there is refused; the OS releases the lock
+    when the process exits, also after a crash), then clear what a previous run leaves behind: its
+    summary.json (written after the model, so one is never stale), and with --overwrite_output_dir
+    (not resuming) its checkpoints and final model, so that a later --resume never continues
+    another run and a crash never leaves the old model looking current."""
+    import fcntl
+
+    global _LOCK
+    os.makedirs(args.output_dir, exist_ok=True)
+    lock = open(os.path.join(args.output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it to end "
+             "or pass another --output_dir.")
+    lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
+    _LOCK = lock
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(args.output_dir, "summary.json"))
+    if args.overwrite_output_dir and not (args.resume or args.resume_from_checkpoint):
+        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"
+               or n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]  # its final model
+        for name in old:
+            path = os.path.join(args.output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if old:
+            print(f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(old))} from {args.output_dir}.")
+
+
+def check_output_dir(args):
+    """Before anything loads: --output_dir must not be the model it starts from, and a folder that
+    holds another run's model or checkpoints needs --resume or --overwrite_output_dir."""
+    model = getattr(args, "model", "")
+    if model and os.path.exists(model) and os.path.realpath(model) == os.path.realpath(args.output_dir):
+        fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
+             "from; pass another --output_dir.")
+    if (args.resume or args.resume_from_checkpoint or args.overwrite_output_dir or args.estimate_memory
+            or not os.path.isdir(args.output_dir)):
+        return
+    held = sorted(n for n in os.listdir(args.output_dir)
+                  if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
+    if held:
+        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok)
+        fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
+             "to replace it, or another --output_dir.")
+
+
 def progress(args, start=0, desc=None):
     return tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
                 dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
@@ -1069,6 +1344,14 @@ def save_checkpoint(model, tokenizer, args, folder, state=None):
     never leaves half a checkpoint. Under torchrun: call on every rank; rank 0 writes."""
     state_dict = parallel.full_state_dict(model) if parallel.is_sharded(model) else None  # FSDP2: gather (collective)
     if parallel.is_main():
+        # never write a NaN/inf weight: --resume would pick it up as the newest good checkpoint
+        models = {"": state_dict if state_dict is not None else model.state_dict(),
+                  **{f"{k}.": v for k, v in (state or {}).items()
+                     if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())}}  # e.g. critic
+        for prefix, tensors in models.items():
+            if (bad := nonfinite_tensor(tensors)) is not None:
+                fail(f"the weight {prefix}{bad} holds NaN/inf; not saving {folder}. The checkpoints saved so far are "
+                     "kept: rerun with --resume to continue from the last one with a lower --learning_rate.")
         _save_folder(model, tokenizer, args, folder, state, state_dict)
         if getattr(args, "save_total_limit", 0):
             delete_old_checkpoints(args.output_dir, args.save_total_limit)
@@ -1151,9 +1434,14 @@ def load_weights(model, folder):
 
     loaded = {}
     for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
-        loaded.update(load_file(path))
+        try:
+            loaded.update(load_file(path))
+        except Exception as e:  # noqa: BLE001 -- a torn or corrupt file: name it, offer the earlier checkpoint
+            fail(f"{path} cannot be read ({type(e).__name__}: {e}).{_earlier_checkpoints(folder)}")
     if not loaded:
         fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    if (bad := nonfinite_tensor(loaded)) is not None:
+        fail(f"{folder}: the weight {bad} holds NaN/inf; refusing to resume from it.{_earlier_checkpoints(folder)}")
     if is_peft(model):  # adapters (and a trained score head), saved under peft's names
         from peft import set_peft_model_state_dict
 
@@ -1227,13 +1515,73 @@ def adapter_state(model):
     return get_peft_model_state_dict(model)
 
 
-def last_checkpoint(output_dir):
-    """The newest complete <output_dir>/checkpoint-<step> (renamed into place only when whole)."""
+def checkpoints(output_dir):
+    """The complete <output_dir>/checkpoint-<step> folders (renamed into place only when whole), oldest first."""
     import re
 
     steps = [int(m.group(1)) for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
              if (m := re.fullmatch(r"checkpoint-(\d+)", n)) and os.path.isfile(os.path.join(output_dir, n, "trainer_state.pt"))]
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
+
+
+def last_checkpoint(output_dir):
+    """The newest complete <output_dir>/checkpoint-<step>, or None."""
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _earlier_checkpoints(folder):
+    """A sentence offering the checkpoints older than `folder`, for error messages."""
+    import re
+
+    folder = os.path.normpath(folder)
+    m = re.search(r"checkpoint-(\d+)$", folder)
+    older = [c for c in checkpoints(os.path.dirname(folder))
+             if os.path.normpath(c) != folder and (m is None or int(c.rsplit("-", 1)[1]) < int(m.group(1)))]
+    if not older:
+        return " No earlier checkpoint is left; start again without --resume (with --overwrite_output_dir)."
+    return (f" Resume from the previous one with --resume_from_checkpoint {older[-1]}"
+            + (f" (earlier: {', '.join(older[:-1])})." if older[:-1] else "."))
+
+
+# flags that may change when resuming: they change no example, sample or update of the steps to come
+# (--learning_rate and --max_grad_norm are the advice of check_finite; see maybe_resume)
+RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_output_dir", "resume_allow_changes",
+               "max_steps", "logging_steps", "save_steps", "eval_steps", "report_to", "eval_batch_size",
+               "estimate_memory", "gradient_checkpointing", "attn_implementation", "parallel", "offload_frozen",
+               "learning_rate", "max_grad_norm"}
+
+
+def check_resume_args(args, folder, step):
+    """Refuse a resume whose arguments differ from the checkpoint's args.json in a way that breaks
+    "ends where an uninterrupted run ends" (data, batch sizes, seed, model, rewards, optimizer,
+    algorithm), naming the flag and both values, unless --resume_allow_changes."""
+    path = os.path.join(folder, "args.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
+    if args.max_steps < step:
+        fail(f"--max_steps {args.max_steps} is below the step of {folder} ({step}): pass --max_steps >= {step}, "
+             "or take the checkpoint as it is (eval.py reads it).")
+    ours = vars(args)
+    if set(saved) - set(ours) and not getattr(args, "resume_allow_changes", False):
+        fail(f"{folder} was written by another script (its args.json has {', '.join(sorted(set(saved) - set(ours))[:3])}, "
+             f"which {script_name()}.py has not); resume it with that script.")
+    changed = [k for k in ours if k in saved and k not in RESUME_FREE and saved[k] != ours[k]]
+    if changed and not getattr(args, "resume_allow_changes", False):
+        k = changed[0]
+        fail(f"--{k} {ours[k]!r} differs from the {saved[k]!r} that {folder} was trained with"
+             + (f" (also: {', '.join('--' + c for c in changed[1:])})" if changed[1:] else "")
+             + "; the resumed run would not end where the interrupted one would. Pass the same value, or add "
+             "--resume_allow_changes to continue anyway.")
+    for k in changed:
+        print(f"resume: --{k} {ours[k]!r} replaces {saved[k]!r} (--resume_allow_changes).")
+    if saved.get("max_steps", args.max_steps) != args.max_steps:
+        print(f"resume: --max_steps {args.max_steps} replaces {saved['max_steps']}; a decaying --lr_scheduler_type "
+              "stretches to the new length from the current step.")
+    return saved
 
 
 def maybe_resume(args, model, optimizer, scheduler, **stateful):
@@ -1248,7 +1596,11 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
         if args.resume:
             print(f"resume: no checkpoint in {args.output_dir} yet; starting from step 0.")
         return 0
-    state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
+        fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+    saved = check_resume_args(args, folder, state["step"])
     load_weights(model, folder)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, s in state["optimizer"]["state"].items():  # FSDP2: re-shard full states like their parameter
@@ -1264,6 +1616,16 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
             if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].dtype != v.dtype:
                 live[k] = v.to(live[k].device)
     scheduler.load_state_dict(state["scheduler"])
+    if saved.get("learning_rate", args.learning_rate) != args.learning_rate:
+        # a new peak lr (e.g. after a NaN): the schedule keeps its step and shape, scaled to the new peak,
+        # i.e. lr(t) = new_lr * schedule(t); without this the restored scheduler would keep the old peak
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] *= args.learning_rate / base
+            group["initial_lr"] = args.learning_rate
+        scheduler.base_lrs = [args.learning_rate] * len(scheduler.base_lrs)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        print(f"resume: --learning_rate {args.learning_rate:g} replaces {saved['learning_rate']:g}; the schedule "
+              f"continues from step {state['step']}, scaled to the new peak.")
     for name, obj in stateful.items():
         if is_peft(obj):
             from peft import set_peft_model_state_dict
@@ -1288,11 +1650,20 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
 
 
 def check_finite(name, value, step):
-    """Stop the run if a loss or reward holds NaN or inf, naming the step. Call it before the
-    backward pass: the weights never see the bad value, and checkpoints already written are kept."""
+    """Stop the run if a loss, reward or gradient norm holds NaN or inf, naming the step. Call it
+    before the optimizer step: the weights never see the bad value, and checkpoints are kept."""
     t = torch.as_tensor(value).detach()
     if not torch.isfinite(t).all():
         what = "NaN" if torch.isnan(t).any() else "inf"
         fail(f"{name} is {what} at step {step}; stopped before updating the weights. The checkpoints saved so "
-             "far are kept: rerun with --resume to continue from the last good one, with a lower --learning_rate "
-             "or --max_grad_norm (or check the data / reward function of that step).")
+             "far are kept (none holds a NaN/inf weight): rerun with --resume to continue from the last one with "
+             "a lower --learning_rate (the schedule keeps its step, scaled to the new peak) or --max_grad_norm, "
+             "or check the data / reward function of that step.")
+
+
+def nonfinite_tensor(tensors):
+    """The name of the first tensor of a {name: tensor} dict that holds NaN or inf, else None."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None

@@ -48,7 +48,6 @@ Run:
         --batch_size 4 --gradient_accumulation_steps 16
 """
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -261,13 +260,11 @@ def render_triples(tokenizer, triples):
 
 # ------------------------------------------------------------------------ main
 def main():
-    args = common.parse_args(Args)
+    args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
     # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
     # on-policy, so they take a larger step than offline ones
     common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "max_new_tokens": 48, "temperature": 0.7,
                                  "batch_size": 32})
-    if args.online and not any(a.startswith("--output_dir") for a in sys.argv):
-        args.output_dir = f"runs/{common.script_name()}_online"
     if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
         live_ref = args.online or not args.precompute_ref_logps
         memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
@@ -311,11 +308,13 @@ def main():
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
         common.check_readable(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
+        truncated = common.truncation_counts(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
     else:
         triples = common.preference_triples(ds, args.dataset)
         prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
         common.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
+        truncated = common.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
     eval_ds = common.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, common.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     common.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
@@ -366,6 +365,7 @@ def main():
             if args.online:
                 batch, stats, samples = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
                                                      {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
+                truncated["completions_truncated"] += round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
                 if batch is None:  # every pair tied: nothing to learn from this micro-batch
                     rows.append(stats)
                     continue
@@ -399,7 +399,7 @@ def main():
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
                           frozen={"reference model": ref_model if separate_ref else None, "reward model": judge_model})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save
@@ -424,7 +424,11 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
-    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics}
+    truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
+        if args.online else truncated["completions_truncated"]  # sampled on every rank
+    summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
+    if args.online and truncated["completions_truncated"]:
+        print(f"dpo: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

@@ -69,6 +69,7 @@ Run:
 """
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -421,12 +422,20 @@ def run_names(methods):
     return [[name] if len(paths) == 1 else [f"{name}/{p}" for p in policy_names(paths)] for name, paths in methods]
 
 
+@functools.lru_cache(maxsize=None)
 def weights_fingerprint(path):
-    """What identifies a policy's weights: size and mtime of the folder's model files, or, for a
-    Hub id, the commit of its cached snapshot."""
+    """What identifies a policy's weights: a SHA-256 of the content of the folder's model files
+    (weights swapped in place with the same size and mtime still change it), computed once per
+    policy and run; for a Hub id, the commit of its cached snapshot."""
     if os.path.isdir(path):
-        return sorted((f, os.path.getsize(os.path.join(path, f)), os.stat(os.path.join(path, f)).st_mtime_ns)
-                      for f in os.listdir(path) if f.endswith((".safetensors", ".json", ".jinja", ".model")))
+        digest = hashlib.sha256()
+        for f in sorted(os.listdir(path)):
+            if f.endswith((".safetensors", ".json", ".jinja", ".model")) and os.path.isfile(os.path.join(path, f)):
+                digest.update(f.encode() + b"\0")
+                with open(os.path.join(path, f), "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        digest.update(block)
+        return digest.hexdigest()
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(path, "config.json")

@@ -343,6 +343,7 @@ def main():
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
     common.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
+    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "grpo")  # + completions as sampled
     print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {[round(w, 6) for w in weights.tolist()]}, --scale_rewards {args.scale_rewards}), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -375,6 +376,7 @@ def main():
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
                     num_return_sequences=G, **common.sampling_kwargs(args))
                 texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
+                truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]
@@ -436,7 +438,7 @@ def main():
             del logprobs, entropy, loss
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
                           frozen={"reference model": None if ref_model is model else ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save
@@ -462,9 +464,13 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(model, tokenizer, args)
+    truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
-               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics}
+               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics, **truncated_counts}
+    if truncated_counts["completions_truncated"]:
+        print(f"grpo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+              f"{args.max_completion_length} without EOS")
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)

@@ -350,6 +350,7 @@ def main():
     policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
     prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
     common.check_readable(tokenizer, prompts, args.model, args.dataset)
+    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
     print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
@@ -385,6 +386,7 @@ def main():
                  "completion_ids": torch.cat([pad_right(c[0], width, tokenizer.pad_token_id) for c in chunks]),
                  "completion_mask": torch.cat([pad_right(c[1], width) for c in chunks])}  # (N, C)
         truncated = torch.cat([c[2] for c in chunks])  # (N,)
+        truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
         mask = batch["completion_mask"].float()
 
         # 2. score and per-token rewards, all under no_grad
@@ -441,7 +443,7 @@ def main():
                 memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
                                   frozen={"reference model": None if ref_policy is policy else ref_policy,
                                           "reward model": None if reward_model is critic else reward_model})
-                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
                 scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save
@@ -473,7 +475,10 @@ def main():
     # ---- final save and evaluation
     logger.close()
     common.save_final(policy, tokenizer, args)
-    summary = {**final,
+    if truncated_counts["completions_truncated"]:
+        print(f"ppo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+              f"{args.max_completion_length} without EOS")
+    summary = {**final, **truncated_counts,
                "memory_bytes": {"policy": memory.tensor_bytes(policy),
                                 "ref_policy": 0 if ref_policy is policy else memory.tensor_bytes(ref_policy),
                                 "critic": memory.tensor_bytes(critic),

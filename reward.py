@@ -145,6 +145,8 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
     common.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
+    truncated = common.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
+                                         [r for _, c, rj in train_triples for r in (c, rj)], args, "reward")
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 
@@ -168,7 +170,7 @@ def main():
             (loss / args.gradient_accumulation_steps).backward()
             rows.append({"loss": loss.detach(), **m, "mean_reward": torch.cat([chosen_rewards, rejected_rewards]).mean().detach()})
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log (means over the --logging_steps window) and save
@@ -194,7 +196,7 @@ def main():
     reward_mean = float(train_chosen.mean())
     summary = {"test_loss": test["loss"], "test_accuracy": test["accuracy"], "test_margin": test["margin"],
                "train_loss": train["loss"], "train_accuracy": train["accuracy"], "train_margin": train["margin"],
-               "reward_mean": reward_mean, "reward_std": float(train_chosen.std())}
+               "reward_mean": reward_mean, "reward_std": float(train_chosen.std()), **truncated}
     if args.dataset == common.EMBEDDED and not args.eval_dataset:
         # the gold judge's own preference on the test pairs (ties count 1/2): what the noisy labels estimate
         gold = torch.tensor(test_ds["chosen_gold"]) - torch.tensor(test_ds["rejected_gold"])

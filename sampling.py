@@ -241,6 +241,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sharded = parallel.is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
     tokens = []
     for t in range(max_new_tokens):
+        if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not torch.multinomial's error
+            common.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
+                        "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
         token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen)
         token = token.masked_fill(done, pad)  # (B*n,)
         tokens.append(token)

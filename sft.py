@@ -180,7 +180,7 @@ def main():
             losses.append(loss.detach())
             n_tokens += int(prompt_mask.sum() + completion_mask.sum())  # this rank's input tokens (TRL's num_tokens)
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm)
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save

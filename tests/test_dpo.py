@@ -152,7 +152,8 @@ def test_offline_precompute_on_and_off_train_identically(tmp_path, tiny_qwen):
     for flag in ("--precompute_ref_logps", "--no_precompute_ref_logps"):
         out = str(tmp_path / flag.strip("-"))
         run_script("dpo.py", "--model", tiny_qwen, "--dataset", str(data), "--output_dir", out, "--max_steps", "3",
-                   "--batch_size", "4", "--learning_rate", "1e-2", "--warmup_steps", "0", "--optim", "adamw", flag)
+                   "--batch_size", "4", "--learning_rate", "1e-2", "--warmup_steps", "0", "--optim", "adamw", flag,
+                   "--max_completion_length", "6")
         runs[flag] = (_metrics(out), json.load(open(os.path.join(out, "summary.json"))))
     (on, on_summary), (off, off_summary) = runs.values()
     assert [r["step"] for r in on] == [1, 2, 3]
@@ -164,6 +165,7 @@ def test_offline_precompute_on_and_off_train_identically(tmp_path, tiny_qwen):
     assert abs(on[-1]["rewards/margins"]) > 1e-3  # the policy moved away from the reference
     # precompute on: training holds one model; off: policy + reference
     assert on_summary["models_alive"] == 1 and off_summary["models_alive"] == 2
+    assert on_summary["completions_truncated"] == off_summary["completions_truncated"] > 0  # cut responses are counted
     assert off_summary["model_bytes"] == 2 * on_summary["model_bytes"]
     from transformers import AutoModelForCausalLM
 

@@ -4,6 +4,7 @@ position swap and ties, methods on the command line, and end-to-end runs on tiny
 judge, an LLM judge reusing the cached generations, and two methods of two runs each)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -383,3 +384,18 @@ def test_pass_at_k_stats_average_prompts_with_a_bootstrap_ci():
     assert stats["pass@4"]["value"] == pytest.approx(3 / 4)
     for s in stats.values():
         assert s["ci_low"] <= s["value"] <= s["ci_high"] and s["ci_low"] < s["ci_high"]
+
+
+def test_cache_key_follows_the_weights_content(tmp_path):
+    """Weights swapped in place with the same size and mtime must not reuse stale generations."""
+    folder = tmp_path / "pi"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    stat = os.stat(weights)
+    before = ev.weights_fingerprint(str(folder))
+    weights.write_bytes(b"b" * 64)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime
+    ev.weights_fingerprint.cache_clear()  # computed once per policy and run: a new run computes it again
+    assert ev.weights_fingerprint(str(folder)) != before

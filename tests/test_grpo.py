@@ -153,7 +153,7 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     out = str(tmp_path / "grpo")
     run_script("grpo.py", "--model", tiny_qwen, "--output_dir", out, "--max_steps", "4", "--batch_size", "2",
                "--num_generations", "4", "--max_completion_length", "8", "--num_iterations", "2",
-               "--save_steps", "2", "--learning_rate", "1e-3", "--optim", "adamw")
+               "--save_steps", "2", "--learning_rate", "1e-3", "--optim", "adamw", "--max_prompt_length", "12")
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(k in rows[0] for k in METRICS)
@@ -163,6 +163,9 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["kl"] > 0
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert -1 <= summary["gold_score"] <= 1
+    # cut prompts counted up front, sampled completions without EOS as they come (two rollouts of 2 x 4)
+    assert summary["prompts_truncated"] > 0
+    assert summary["completions_truncated"] == round(8 * (rows[0]["completions/clipped_ratio"] + rows[2]["completions/clipped_ratio"]))
     # --scale_rewards auto: the group's std with a verifier (the design document's formula)
     assert json.load(open(os.path.join(out, "args.json")))["scale_rewards"] == "group"
     from transformers import AutoModelForCausalLM

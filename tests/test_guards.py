@@ -3,14 +3,18 @@ on (naming the step, flag, row or prompt), or counts and logs what it skipped or
 crash deep in a stack.
 
 Decisions (documented here and in the README):
-- NaN/inf loss or reward: stop before the weights are updated, name the step, keep checkpoints.
+- NaN/inf loss, reward or gradient norm: stop before the optimizer touches the weights, name the
+  step, keep checkpoints; a checkpoint holding a NaN/inf weight is never written nor resumed from.
+- chosen == rejected: kept (zero gradient) and counted in a printed note, not refused.
+- an --output_dir holding another run: refused unless --resume or --overwrite_output_dir.
 - prompts (completions) longer than --max_prompt_length (--max_completion_length): cut, counted
   up front, printed, and written to summary.json as prompts_truncated (completions_truncated).
 - an empty response in the data: a clear error naming the row; an empty *generated* response
   is a valid completion (EOS only) that rewards score like any other.
 - a dataset smaller than one batch: allowed; batch_indices cycles, so a batch repeats examples
   (a note is printed).
-- an unknown --loss_type / --parallel / --optim: an error at parse time, before anything loads.
+- an unknown --loss_type / --parallel / --optim / --lr_scheduler_type, a flag out of its range, an
+  unknown flag (with our name for a TRL flag): an error at parse time, before anything loads.
 """
 
 import json
@@ -147,14 +151,224 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
 
 def test_unknown_choices_fail_at_parse_time(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    runs = {script: subprocess.Popen([sys.executable, script, *flag, "--output_dir", str(tmp_path / "o")], cwd=ROOT,
+    finished = tmp_path / "finished"  # another run's final model and checkpoint: refused without --resume/--overwrite_output_dir
+    (finished / "checkpoint-4").mkdir(parents=True)
+    (finished / "config.json").write_text("{}")
+    (finished / "metrics.jsonl").write_text('{"step": 4}\n')
+    out = ["--output_dir", str(tmp_path / "o")]
+    runs = {script: subprocess.Popen([sys.executable, script, *flag], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for script, flag in [("dpo.py", ["--loss_type", "hinge2"]), ("sft.py", ["--parallel", "zero3"]),
-                                 ("grpo.py", ["--parallel", "fsdp2"])]}  # with the default --optim adamw_8bit
+            for script, flag in [("dpo.py", ["--loss_type", "hinge2", *out]), ("sft.py", ["--parallel", "zero3", *out]),
+                                 ("grpo.py", ["--parallel", "fsdp2", *out]),  # with the default --optim adamw_8bit
+                                 ("ppo.py", ["--output_dir", str(finished)])]}
     expected = {"dpo.py": "--loss_type 'hinge2' is not one of: sigmoid", "sft.py": "--parallel 'zero3' is not one of: ddp, fsdp2",
-                "grpo.py": "--parallel fsdp2 needs --optim adamw"}
+                "grpo.py": "--parallel fsdp2 needs --optim adamw",
+                "ppo.py": f"--output_dir {finished} holds another run's model and checkpoints (checkpoint-4, config.json)"}
     for script, proc in runs.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 1 and expected[script] in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "o")  # nothing was loaded or written
+    assert sorted(os.listdir(finished)) == ["checkpoint-4", "config.json", "metrics.jsonl"]
+    assert (finished / "metrics.jsonl").read_text() == '{"step": 4}\n'
     assert "--loss_type 'x' is not one of: a, b" in _error(common.check_choice, "--loss_type", "x", ["a", "b"])
+
+
+# ------------------------------------------------------------------ what changes the weights (#18)
+def test_nan_gradient_stops_before_the_optimizer_touches_the_weights():
+    # a finite loss can have NaN gradients (sft.py --learning_rate 1e3 did, and saved an all-NaN checkpoint)
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    model.weight.grad[0, 0] = float("nan")
+    assert "the gradient norm is NaN at step 5" in _error(common.optimizer_step, optimizer, 1.0, 5)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_no_checkpoint_holds_a_nan_weight_and_none_is_resumed(tmp_path, tiny_qwen):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    args = SimpleNamespace(learning_rate=1e-2, weight_decay=0.0, optim="adamw", lr_scheduler_type="constant",
+                           warmup_steps=0, max_steps=10, output_dir=str(tmp_path), seed=0, resume=True,
+                           resume_from_checkpoint="")
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args)
+    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-1", common.training_state(1, optimizer, scheduler))
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    msg = _error(common.save_checkpoint, model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    assert "model.norm.weight holds NaN/inf; not saving" in msg and not os.path.exists(f"{tmp_path}/checkpoint-2")
+    # one written before this guard existed: --resume refuses it and offers the previous one
+    common._save_folder(model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler), None)
+    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    assert "checkpoint-2: the weight model.norm.weight holds NaN/inf" in msg
+    assert f"--resume_from_checkpoint {tmp_path}/checkpoint-1" in msg
+    # a torn weights file: named, with the previous checkpoint offered
+    with open(f"{tmp_path}/checkpoint-2/model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    assert "checkpoint-2/model.safetensors cannot be read" in msg and "checkpoint-1" in msg
+
+
+def test_nan_logits_are_a_sentence_not_a_multinomial_error(tiny_qwen):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    ids, mask = common.encode_prompts(tok, ["POST: a . TL;DR:"])
+    msg = _error(sampling.generate, model, tok, ids, mask, 4)
+    assert "next-token logits hold NaN/inf (generated token 1)" in msg and "--learning_rate" in msg
+
+
+def test_a_causal_lm_is_not_a_reward_model(tiny_qwen):
+    # eval.py --judge rm:, grpo.py / ppo.py / dpo.py --reward_model all load through load_reward_model
+    args = type("A", (), {"dtype": "float32", "attn_implementation": "sdpa", "trust_remote_code": False,
+                          "gradient_checkpointing": False})()
+    msg = _error(common.load_reward_model, tiny_qwen, args)
+    assert f"{tiny_qwen} is not a reward model" in msg and "score.weight" in msg and "reward.py" in msg
+
+
+# ------------------------------------------------------------------ output folders (#18)
+def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
+    from types import SimpleNamespace
+
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "summary.json").write_text("{}")
+    args = SimpleNamespace(output_dir=str(out), model=tiny_qwen, resume=False, resume_from_checkpoint="",
+                           overwrite_output_dir=False, estimate_memory=False)
+    msg = _error(common.check_output_dir, args)
+    assert "holds another run's model and checkpoints (checkpoint-2, config.json)" in msg and "--overwrite_output_dir" in msg
+    assert "is the --model folder" in _error(common.check_output_dir, SimpleNamespace(**{**vars(args), "output_dir": tiny_qwen}))
+    args.overwrite_output_dir = True
+    common.check_output_dir(args)
+    # a live run holds <output_dir>/.lock: a second one is refused; the OS frees it when the holder dies
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
+                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    assert "another run is writing to" in _error(common.claim_output_dir, args)
+    assert os.path.exists(out / "checkpoint-2")  # nothing removed by the refused run
+    holder.kill()
+    holder.wait()
+    common.claim_output_dir(args)  # after the holder's crash: free again; the previous run's leftovers go
+    assert sorted(os.listdir(out)) == [".lock"]  # nothing of the previous run looks current
+    assert "another run is writing to" in _error(common.claim_output_dir, args)  # held by this process now
+    common._LOCK.close()
+
+
+# ------------------------------------------------------------------ validation before anything loads (#18)
+@pytest.mark.parametrize("script, argv, expected", [
+    ("sft.py", ["--warmup_steps", "-3"], "--warmup_steps must be at least 0, got -3"),
+    ("sft.py", ["--save_steps", "-1"], "--save_steps must be at least 0"),
+    ("sft.py", ["--learning_rate", "-1"], "--learning_rate must be positive, got -1.0"),
+    ("sft.py", ["--max_completion_length", "0"], "--max_completion_length must be at least 1"),
+    ("sft.py", ["--lr_scheduler_type", "cosine_annealing"], "--lr_scheduler_type 'cosine_annealing' is not one of: linear, cosine"),
+    ("ppo.py", ["--missing_eos_penalty", "nan"], "--missing_eos_penalty must be a finite number"),
+    ("grpo.py", ["--temperature", "0"], "--temperature must be positive"),
+    ("sft.py", ["--per_device_train_batch_size", "4"], "TRL's --per_device_train_batch_size is --batch_size here (Examples per micro-batch"),
+    ("grpo.py", ["--per_device_train_batch_size", "4"], "is --batch_size here (Prompts per micro-batch"),
+    ("sft.py", ["--num_train_epochs", "3"], "--max_steps here"),
+    ("eval.py", ["--judge", "gold", "runs/sft"], "unexpected argument(s) runs/sft: every setting is a --flag value pair "
+                                                 "(a script that takes bare arguments wants them before the first --flag)"),
+])
+def test_bad_flags_fail_before_anything_loads(monkeypatch, tmp_path, script, argv, expected):
+    import importlib
+
+    Args = importlib.import_module(script[:-3]).Args
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--output_dir", str(tmp_path / "o")])
+    assert expected in _error(common.parse_args, Args)
+    assert not os.path.exists(tmp_path / "o")
+    monkeypatch.setattr(sys, "argv", [script, "--output_dir", str(tmp_path / "o")])
+    common.parse_args(Args)  # the defaults pass
+
+
+# ------------------------------------------------------------------ one sentence, not a traceback (#18)
+def test_bad_data_files_are_one_sentence(tmp_path):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\n")
+    assert "blank.jsonl is empty (no JSON rows" in _error(common.load_data, str(blank))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    assert "latin.jsonl, line 2: not UTF-8 (byte 0xe9 at column 16)" in _error(common.load_data, str(latin))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    assert "empty.parquet has no rows" in _error(common.load_data, str(tmp_path / "empty.parquet"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert "train.jsonl, line 2: not valid JSON" in _error(common.load_data, str(folder))
+    assert "dataset ./nope does not exist" in _error(common.load_data, "./nope")
+
+
+def test_empty_conversational_responses_and_identical_pairs(capsys):
+    from datasets import Dataset
+
+    user = {"role": "user", "content": "POST: a . TL;DR:"}
+    msgs = Dataset.from_list([{"messages": [user, {"role": "assistant", "content": " "}]}])
+    assert "row 0, column 'messages': the last assistant message is empty" in _error(common.sft_pairs, msgs, "m.jsonl")
+    conv = Dataset.from_list([{"chosen": [user, {"role": "assistant", "content": ""}],
+                               "rejected": [user, {"role": "assistant", "content": "b"}]}])
+    assert "row 0, column 'chosen': the last assistant message is empty" in _error(common.preference_triples, conv, "p.jsonl")
+    with_prompt = Dataset.from_list([{"prompt": [user], "chosen": [{"role": "assistant", "content": ""}],
+                                      "rejected": [{"role": "assistant", "content": "b"}]}])
+    assert "row 0, column 'chosen'" in _error(common.preference_triples, with_prompt, "p.jsonl")
+    same = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "c", "rejected": "c"}])
+    assert len(common.preference_triples(same, "p.jsonl")) == 2  # kept, but counted
+    assert "1 of 2 pairs of p.jsonl have chosen == rejected (first: row 1)" in capsys.readouterr().out
+
+
+def test_bad_model_folders_are_one_sentence(tmp_path, tiny_qwen):
+    import shutil
+
+    args = type("A", (), {"dtype": "float32", "attn_implementation": "sdpa", "trust_remote_code": False})()
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(tiny_qwen, no_tok, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert "holds no tokenizer" in _error(common.load_tokenizer, str(no_tok))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no model (no config.json)" in _error(common.load_model, str(empty), args)
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_qwen, torn)
+    with open(torn / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(torn / "model.safetensors") // 2)
+    msg = _error(common.load_model, str(torn), args)
+    assert f"{torn}/model.safetensors cannot be loaded" in msg and "torn or corrupt" in msg
+    small = tmp_path / "small"  # a vocabulary smaller than the tokenizer
+    tok = world.build_tokenizer()
+    world.build_model(tok, hidden_size=32, num_layers=1).save_pretrained(small)
+    tok.add_tokens(["zebra", "quokka"])
+    tok.save_pretrained(small)
+    common.load_tokenizer(str(small))
+    # not a folder here (e.g. a relative path with a typo) and not on the Hub (offline here): one sentence
+    assert "nobody-xyz/no-such-model is not a local folder and the Hugging Face Hub cannot provide it" in _error(
+        common.check_model_source, "nobody-xyz/no-such-model")
+    assert f"the tokenizer has {len(tok)} tokens but the model's embedding only {len(tok) - 2}" in _error(
+        common.load_model, str(small), args)
+
+
+def test_reward_functions_return_any_real_number_and_may_not_exit():
+    import numpy as np
+
+    rewards = common.call_reward_fn(lambda p, c: [np.float32(0.5), torch.tensor(-1.0), 2, np.int64(3)], list("abcd"), list("wxyz"))
+    assert rewards.tolist() == [0.5, -1.0, 2.0, 3.0]
+    assert "returned True for prompt 0" in _error(common.call_reward_fn, lambda p, c: [True], ["a"], ["b"])
+    assert "returned tensor([1., 2.])" in _error(common.call_reward_fn, lambda p, c: [torch.tensor([1.0, 2.0])], ["a"], ["b"])
+
+    def quits(prompts, completions):
+        import sys
+
+        if any("bad" in p for p in prompts):
+            sys.exit(3)
+        return [1.0] * len(prompts)
+
+    msg = _error(common.call_reward_fn, quits, ["ok", "a bad one"], ["x", "y"])
+    assert "reward function quits raised SystemExit: 3" in msg and "prompt 1" in msg and "a bad one" in msg

@@ -150,6 +150,9 @@ def test_ppo_end_to_end_with_a_reward_model(tmp_path, tiny_qwen, tiny_reward_mod
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert -1 <= summary["gold_score"] <= 1 and "test_kl" in summary
     assert set(summary["memory_bytes"]) == {"policy", "ref_policy", "critic", "reward_model", "optimizer", "peak"}
+    # every sampled completion without EOS is counted (8 per rollout)
+    assert summary["completions_truncated"] == round(sum(8 * r["completions/clipped_ratio"] for r in rows))
+    assert summary["prompts_truncated"] == 0
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen2"
@@ -174,7 +177,7 @@ def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert "gold_score" not in json.load(open(os.path.join(out, "summary.json")))
     bad = run_script("ppo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope",
-                     "--output_dir", out, check=False)
+                     "--output_dir", out, "--overwrite_output_dir", check=False)
     assert bad.returncode != 0 and "defines no function 'nope'" in bad.stderr
 
 

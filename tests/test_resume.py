@@ -244,3 +244,63 @@ def test_bf16_resume_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_qwen, 
                if torch.is_tensor(v) and v.is_floating_point() and k not in ("absmax1", "absmax2", "qmap1", "qmap2"))
     for (name, a), b in zip(model.named_parameters(), model2.parameters()):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
+def test_resume_checks_itself(tmp_path, tiny_qwen):
+    """A new --learning_rate is honoured (the schedule keeps its step); a change that breaks equivalence
+    is refused naming the flag and both values, unless --resume_allow_changes; a torn metrics line is dropped."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    args = SimpleNamespace(learning_rate=1e-2, weight_decay=0.0, optim="adamw", lr_scheduler_type="linear",
+                           warmup_steps=0, max_steps=10, output_dir=str(tmp_path), seed=0, batch_size=4, dataset="a.jsonl",
+                           resume=True, resume_from_checkpoint="", resume_allow_changes=False, report_to="none",
+                           overwrite_output_dir=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+
+    def fresh(**changes):
+        new = SimpleNamespace(**{**vars(args), **changes})
+        optimizer = common.make_optimizer(model, new)
+        return new, optimizer, common.make_scheduler(optimizer, new)
+
+    _, optimizer, scheduler = fresh()
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-4", common.training_state(4, optimizer, scheduler))
+
+    def error(**changes):
+        with pytest.raises(SystemExit) as e:
+            new, optimizer, scheduler = fresh(**changes)
+            common.maybe_resume(new, model, optimizer, scheduler)
+        return str(e.value)
+
+    assert "--batch_size 8 differs from the 4 that" in error(batch_size=8) and "--resume_allow_changes" in error(batch_size=8)
+    assert "--seed 1 differs from the 0" in error(seed=1)
+    assert "--dataset 'b.jsonl' differs from the 'a.jsonl'" in error(dataset="b.jsonl")
+    assert "--optim 'adamw_8bit' differs" in error(optim="adamw_8bit")
+    assert "--max_steps 3 is below the step of" in error(max_steps=3)
+    with open(f"{tmp_path}/checkpoint-4/args.json") as f:
+        saved = json.load(f)
+    with open(f"{tmp_path}/checkpoint-4/args.json", "w") as f:
+        json.dump({**saved, "num_generations": 4}, f)  # as grpo.py writes it
+    assert "was written by another script (its args.json has num_generations" in error()
+    with open(f"{tmp_path}/checkpoint-4/args.json", "w") as f:
+        json.dump(saved, f)
+    new, optimizer2, scheduler2 = fresh(batch_size=8, resume_allow_changes=True)
+    assert common.maybe_resume(new, model, optimizer2, scheduler2) == 4
+    # the advice after a NaN: resume with a lower --learning_rate; lr(t) = new_lr * schedule(t), t kept
+    new, optimizer2, scheduler2 = fresh(learning_rate=1e-3)
+    assert common.maybe_resume(new, model, optimizer2, scheduler2) == 4
+    assert scheduler2.get_last_lr()[0] == pytest.approx(1e-3 * 6 / 10) == optimizer2.param_groups[0]["lr"]
+    optimizer2.step()
+    scheduler2.step()
+    assert scheduler2.get_last_lr()[0] == pytest.approx(1e-3 * 5 / 10)
+
+    # metrics.jsonl torn by a kill during a write: the partial last line is dropped, not a JSONDecodeError
+    with open(f"{tmp_path}/metrics.jsonl", "w") as f:
+        f.write('{"step": 3}\n{"step": 4}\n{"step": 5, "lo')
+    common.MetricsLogger(args, start_step=4)
+    assert [r["step"] for r in _metrics(str(tmp_path))] == [3, 4]
+    common._LOCK.close()
