@@ -53,10 +53,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import checkpoints
 import common
+import data
+import lora
 import memory
 import parallel
 import sampling
+import tracking
 from common import SamplingArgs
 
 
@@ -143,8 +147,8 @@ def pair_logps(model, batch, loss_type):
 def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
     """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device;
     a completion ending in one of `stop_ids` (sampling.stop_token_ids) gets no extra EOS."""
-    prompt_ids, prompt_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
-    completion_ids, completion_mask = common.encode_completions(
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
+    completion_ids, completion_mask = data.encode_completions(
         tokenizer, chosen + rejected, args.max_completion_length, stop_ids)  # (2B, C): chosen first
     dev = common.device()
     return {"prompt_ids": prompt_ids.to(dev), "prompt_mask": prompt_mask.to(dev),
@@ -158,7 +162,7 @@ def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
     was_training = model.training
     model.eval()  # the reference runs without dropout, as a frozen copy would
     out = []
-    with common.adapters_off(model):
+    with lora.adapters_off(model):
         for i in range(0, len(prompts), args.eval_batch_size):
             s = slice(i, i + args.eval_batch_size)
             batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, sampling.stop_token_ids(model, tokenizer))
@@ -195,8 +199,8 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     prompts, or None when every pair tied, the judge's metrics, and (prompts, texts, scores)
     of every sample for --log_completions.
     """
-    texts = [common.render_prompt(tokenizer, p) for p in prompts]
-    prompt_ids, prompt_mask = common.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
+    texts = [data.render_prompt(tokenizer, p) for p in prompts]
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
     prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
     # rows 2i and 2i+1 are the two samples of prompt i
     completion_ids, completion_mask, truncated = sampling.generate(
@@ -253,9 +257,9 @@ def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
 
 def render_triples(tokenizer, triples):
     """(prompt, chosen, rejected) rows -> three lists of texts, through the chat template."""
-    return ([common.render_prompt(tokenizer, p) for p, _, _ in triples],
-            [common.render_completion(tokenizer, p, c) for p, c, _ in triples],
-            [common.render_completion(tokenizer, p, r) for p, _, r in triples])
+    return ([data.render_prompt(tokenizer, p) for p, _, _ in triples],
+            [data.render_completion(tokenizer, p, c) for p, c, _ in triples],
+            [data.render_completion(tokenizer, p, r) for p, _, r in triples])
 
 
 # ------------------------------------------------------------------------ main
@@ -300,26 +304,26 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
-    ds = common.training_data(args, "rl" if args.online else "prefs")
+    ds = data.training_data(args, "rl" if args.online else "prefs")
     if args.online:
-        common.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
-        common.check_text(ds, ["prompt"], args.dataset)
+        data.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
+        data.check_text(ds, ["prompt"], args.dataset)
         prompts = list(ds["prompt"])
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
-        common.check_readable(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
-        truncated = common.truncation_counts(tokenizer, [common.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
+        data.check_readable(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
+        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
     else:
-        triples = common.preference_triples(ds, args.dataset)
+        triples = data.preference_triples(ds, args.dataset)
         prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
-        common.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
-        truncated = common.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
-    eval_ds = common.eval_data(args)  # held-out preference pairs, online too
-    eval_texts = render_triples(tokenizer, common.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
-    common.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+        data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
+        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
+    eval_ds = data.eval_data(args)  # held-out preference pairs, online too
+    eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
+    data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
     print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
-          f"{common.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{data.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
     # ---- the reference: precomputed log-probs (offline, one model), a frozen copy (two models), or
@@ -330,7 +334,7 @@ def main():
         if eval_texts:
             eval_ref = precompute_ref_logps(model, tokenizer, *eval_texts, args)  # (N_eval, 2)
     else:
-        ref_model = common.reference_of(model, args)
+        ref_model = lora.reference_of(model, args)
     if args.online:
         judge, judge_model = make_judge(args, embedded)
     init = {}
@@ -341,8 +345,8 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = common.MetricsLogger(args, start_step)
+    start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = tracking.MetricsLogger(args, start_step)
     # what training holds: one model with precompute on, two (policy + reference) otherwise
     separate_ref = ref_model is not None and ref_model is not model
     held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
@@ -352,13 +356,13 @@ def main():
           + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
 
     # ---- loop
-    pbar = common.progress(args, start_step, desc="dpo")
+    pbar = tracking.progress(args, start_step, desc="dpo")
     final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
         rows, num_tokens = [], 0
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = parallel.shard(common.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
+            idx = parallel.shard(data.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
             # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online)
             stats = {}
@@ -376,7 +380,7 @@ def main():
             if ref_cache is not None:
                 ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)
             else:
-                with torch.no_grad(), common.adapters_off(ref_model):
+                with torch.no_grad(), lora.adapters_off(ref_model):
                     ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
             # 3. policy log-probs and the DPO loss (Eq. 7), mean over pairs
             chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)  # (B,), (B,)
@@ -404,26 +408,26 @@ def main():
 
         # ---- log (means over the --logging_steps window), evaluate and save
         trained = [r for r in rows if "loss" in r]
-        metrics = common.mean_metrics(trained) if trained else {}
+        metrics = tracking.mean_metrics(trained) if trained else {}
         if args.online:  # judge metrics also count micro-batches that were all ties
-            metrics.update(common.mean_metrics([{k: r[k] for k in stats} for r in rows]))
+            metrics.update(tracking.mean_metrics([{k: r[k] for k in stats} for r in rows]))
             metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
         final = {f"final_{k}": float(metrics[k]) for k in ("loss", "rewards/accuracies", "rewards/margins") if k in metrics}
         logger.update({**metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
             if args.online and args.log_completions:
-                common.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
+                tracking.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
         if eval_texts and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
             eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   common.training_state(step + 1, optimizer, scheduler))
+            checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
     logger.close()
-    common.save_final(model, tokenizer, args)
+    checkpoints.save_final(model, tokenizer, args)
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
@@ -434,7 +438,7 @@ def main():
         summary.update(ev)
         print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
-    common.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
     print(f"dpo: saved to {args.output_dir}")
 
 

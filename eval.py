@@ -81,7 +81,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import checkpoints
 import common
+import data
 import sampling
 import world
 from common import ModelArgs
@@ -340,7 +342,7 @@ def prob_first_better(model, tokenizer, prompts, firsts, seconds, batch_size=16)
     texts = [judge_input(tokenizer, p, a, b) for p, a, b in zip(prompts, firsts, seconds)]
     probs = []
     for i in range(0, len(texts), batch_size):
-        ids, mask = common.encode_prompts(tokenizer, texts[i:i + batch_size])  # left padded
+        ids, mask = data.encode_prompts(tokenizer, texts[i:i + batch_size])  # left padded
         ids, mask = ids.to(model.device), mask.to(model.device)
         hidden = sampling.backbone(model)(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask),
                                         use_cache=False).last_hidden_state[:, -1]  # (b, H) at the last token
@@ -460,8 +462,8 @@ def cache_file(path, prompts, args):
 def generate_responses(path, name, raw_prompts, args):
     """The policy's responses to every prompt (from the cache when this exact run was done)."""
     tokenizer = common.load_tokenizer(path, args.trust_remote_code)
-    prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
-    common.check_readable(tokenizer, prompts, path, args.dataset)
+    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
+    data.check_readable(tokenizer, prompts, path, args.dataset)
     cached = cache_file(path, prompts, args)
     if os.path.exists(cached):
         with open(cached) as f:
@@ -475,7 +477,7 @@ def generate_responses(path, name, raw_prompts, args):
                                                  args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
-    common.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
+    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
                                "truncated": truncated})
     print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
     return responses, truncated
@@ -684,29 +686,29 @@ def main():
         ds = common.arith_split(args.dataset, "test")  # seed 0, as the summarization world
         split = "test split"
     else:
-        ds = common.load_data(args.dataset, args.dataset_split)
+        ds = data.load_data(args.dataset, args.dataset_split)
         split = f"split {args.dataset_split}" if not os.path.isfile(args.dataset) else "file"
-    common.require_columns(ds, [args.prompt_column], args.dataset, "Pass --prompt_column.")
+    data.require_columns(ds, [args.prompt_column], args.dataset, "Pass --prompt_column.")
     if args.num_prompts:
         ds = ds.select(range(min(args.num_prompts, len(ds))))
-    common.check_text(ds, [args.prompt_column], args.dataset)
+    data.check_text(ds, [args.prompt_column], args.dataset)
     raw_prompts = ds[args.prompt_column]
     columns = {c: ds[c] for c in ds.column_names if c != args.prompt_column}
     has_reference = bool(args.reference_column) and args.reference_column in ds.column_names
     if args.reference_column not in ("", "reference") and not has_reference:
-        common.require_columns(ds, [args.reference_column], args.dataset, "Pass --reference_column '' to compare without references.")
+        data.require_columns(ds, [args.reference_column], args.dataset, "Pass --reference_column '' to compare without references.")
     if has_reference:
-        common.check_text(ds, [args.reference_column], args.dataset)
+        data.check_text(ds, [args.reference_column], args.dataset)
     if kind == "gold" and args.reward_fn == "gold" and "post" not in columns:
-        common.fail(f"--judge gold with the embedded gold judge needs a 'post' column, which {common.dataset_name(args.dataset)} "
+        common.fail(f"--judge gold with the embedded gold judge needs a 'post' column, which {data.dataset_name(args.dataset)} "
                     "lacks; pass --reward_fn file.py:fn (or arith_strict on embedded:arith), --judge rm:PATH or --judge llm:MODEL.")
     if args.group_by:
-        common.require_columns(ds, [args.group_by], args.dataset, "Pass a column of the dataset to --group_by.")
+        data.require_columns(ds, [args.group_by], args.dataset, "Pass a column of the dataset to --group_by.")
     if len(methods) < 2 and not has_reference:
         common.fail("nothing to compare: pass two or more policies, or a dataset with a --reference_column.")
     n = len(raw_prompts)
     num_runs = sum(len(paths) for _, paths in methods)
-    print(f"eval: {len(methods)} methods ({num_runs} runs) on {n} prompts of {common.dataset_name(args.dataset)} ({split}), "
+    print(f"eval: {len(methods)} methods ({num_runs} runs) on {n} prompts of {data.dataset_name(args.dataset)} ({split}), "
           f"judge {judge_name(kind, args)}")
 
     # ---- generate: the same prompts, settings and seed for every run of every method
@@ -817,7 +819,7 @@ def main():
 
     results = {
         "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
-                     "reward_fn": args.reward_fn, "dataset": common.dataset_name(args.dataset),
+                     "reward_fn": args.reward_fn, "dataset": data.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
                      **generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
@@ -837,7 +839,7 @@ def main():
     # ---- save: results.json, results.md, judgments.jsonl, generations.jsonl, plots
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
-    common.write_json(os.path.join(out, "results.json"), results)
+    checkpoints.write_json(os.path.join(out, "results.json"), results)
     report = markdown_report(results, names, has_reference)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(report)

@@ -75,10 +75,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoints
 import common
+import data
+import lora
 import memory
 import parallel
 import sampling
+import tracking
 from common import SamplingArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0
@@ -269,7 +273,7 @@ def evaluate(model, tokenizer, eval_ds, rewards, weights, args):
     """--eval_dataset: the mean reward (under this run's weighted rewards) of one greedy
     completion per held-out prompt, and each source's mean."""
     raw = eval_ds["prompt"]
-    prompts = [common.render_prompt(tokenizer, p) for p in raw]
+    prompts = [data.render_prompt(tokenizer, p) for p in raw]
     texts, _ = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length, args.eval_batch_size,
                                      do_sample=False)
     columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
@@ -317,16 +321,16 @@ def main():
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
-    ds = common.training_data(args, "rl")
-    common.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
-    common.check_text(ds, ["prompt"], args.dataset)
+    ds = data.training_data(args, "rl")
+    data.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
+    data.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
-    eval_ds = common.eval_data(args)
+    eval_ds = data.eval_data(args)
     if eval_ds is not None:
-        common.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
-        common.check_text(eval_ds, ["prompt"], args.eval_dataset)
+        data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
+        data.check_text(eval_ds, ["prompt"], args.eval_dataset)
     # --num_train_epochs: each rollout of batch_size prompts (per micro-batch) serves num_iterations steps
-    common.set_max_steps(args, len(ds) * args.num_iterations,
+    data.set_max_steps(args, len(ds) * args.num_iterations,
                          args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
 
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
@@ -336,15 +340,15 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off);
     # beta == 0 saves its memory entirely
-    ref_model = common.reference_of(model, args) if args.beta else None
+    ref_model = lora.reference_of(model, args) if args.beta else None
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
-    prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
-    common.check_readable(tokenizer, prompts, args.model, args.dataset)
+    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
+    data.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
-    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "grpo")  # + completions as sampled
-    print(f"grpo: {len(ds)} prompts from {common.dataset_name(args.dataset)}, rewards {reward_names} "
+    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, "grpo")  # + completions as sampled
+    print(f"grpo: {len(ds)} prompts from {data.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {[round(w, 6) for w in weights.tolist()]}, --scale_rewards {args.scale_rewards}), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.batch_size} x {G} completions per micro-batch, device {device}")
@@ -352,12 +356,12 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = common.MetricsLogger(args, start_step)
+    start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
     start = time.time()
-    pbar = common.progress(args, start_step, desc="grpo")
+    pbar = tracking.progress(args, start_step, desc="grpo")
     eval_metrics = {}  # the last --eval_dataset evaluation, for summary.json
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
@@ -365,10 +369,10 @@ def main():
             batches, rollout_metrics, samples = [], [], []
             for micro in range(args.gradient_accumulation_steps):
                 # this rank's prompts of the global batch; the step is the position in the data
-                idx = parallel.shard(common.batch_indices(
+                idx = parallel.shard(data.batch_indices(
                     len(ds), args.batch_size * parallel.world_size(), args.seed,
                     (step // args.num_iterations) * args.gradient_accumulation_steps + micro))
-                prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+                prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (B, P)
                 # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
                 # here and in every log-prob pass below (sampling.completion_logprobs shares it)
@@ -402,7 +406,7 @@ def main():
                 # 3. log-probs of the reference (those of the sampling policy come with the first update)
                 ref_logprobs = None
                 if ref_model is not None:
-                    with torch.no_grad(), common.adapters_off(ref_model):
+                    with torch.no_grad(), lora.adapters_off(ref_model):
                         ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
                                                                   completion_mask, args.temperature)
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -442,32 +446,32 @@ def main():
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save
-        metrics = common.mean_metrics(step_metrics)
+        metrics = tracking.mean_metrics(step_metrics)
         metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
-        logger.update({**common.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm},
+        logger.update({**tracking.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm},
                       num_tokens=rollout_tokens)  # prompt + completion tokens trained on in this step
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
             if args.log_completions:
                 group, texts, per_source, reward, advantages = samples[-1]
-                common.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
+                tracking.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
                     **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
                     "advantage": advantages})
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
             eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, args)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   common.training_state(step + 1, optimizer, scheduler))
+            checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
 
     # ---- final save and evaluation
     logger.close()
-    common.save_final(model, tokenizer, args)
+    checkpoints.save_final(model, tokenizer, args)
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
-               **(common.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics, **truncated_counts}
+               **(tracking.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics, **truncated_counts}
     if truncated_counts["completions_truncated"]:
         print(f"grpo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
@@ -475,7 +479,7 @@ def main():
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
         print(f"grpo: test gold score {ev['gold_score']:.3f}; e.g. {ev['samples'][0]!r}")
-    common.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
     print(f"grpo: {train_seconds:.0f} s of training; saved to {args.output_dir}")
 
 

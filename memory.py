@@ -11,7 +11,9 @@ import sys
 
 import torch
 
+import checkpoints
 import common
+import lora
 import parallel
 import world
 
@@ -368,7 +370,7 @@ def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
         return tensor_bytes([t for t in ts if t.device.type == common.device().type])
 
     def weights(m, prefix):  # under --use_peft: the frozen base (with its quantisation constants) and the adapters
-        if not common.is_peft(m):
+        if not lora.is_peft(m):
             return {f"{prefix} weights": m}
         frozen = [p for p in m.parameters() if not p.requires_grad]
         return {f"{prefix} weights": frozen + list(m.buffers()) + quantisation_constants(frozen),
@@ -391,7 +393,7 @@ def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
             measured[name] = on_device(tensors(c))
     peak = peak_memory_bytes()
     kind = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS of the process"
-    common.write_json(os.path.join(output_dir, "memory.json"), {
+    checkpoints.write_json(os.path.join(output_dir, "memory.json"), {
         "components": measured, "total_bytes": sum(measured.values()), "peak_bytes": peak, "peak_kind": kind,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "complete": complete})
     if complete:

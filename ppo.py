@@ -59,10 +59,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoints
 import common
+import data
+import lora
 import memory
 import parallel
 import sampling
+import tracking
 from common import SamplingArgs
 
 # what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)
@@ -266,11 +270,11 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokeniz
     scores = []
     for s in range(0, len(eval_ds), args.eval_batch_size):
         raw = eval_ds["prompt"][s:s + args.eval_batch_size]
-        p_ids, p_mask = common.encode_prompts(tokenizer, [common.render_prompt(tokenizer, p) for p in raw], args.max_prompt_length)
+        p_ids, p_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p in raw], args.max_prompt_length)
         p_ids, p_mask = p_ids.to(device), p_mask.to(device)
         c_ids, c_mask, truncated = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, do_sample=False)
         texts = sampling.decode_completions(tokenizer, c_ids, c_mask, truncated)
-        with common.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
+        with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
             scored = score(reward_fn, reward_model, rm_tokenizer, raw, texts,
                            {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, args).cpu() - reward_mean
         scores.append(torch.where(truncated.cpu(), -args.missing_eos_penalty, scored))
@@ -307,22 +311,22 @@ def main():
     offload_device = torch.device("cpu") if args.offload_frozen else device
 
     # ---- data: prompts, plus any other columns for --reward_fn
-    ds = common.training_data(args, "rl")
-    common.require_columns(ds, ["prompt"], args.dataset, "PPO needs a 'prompt' column.")
-    common.check_text(ds, ["prompt"], args.dataset)
+    ds = data.training_data(args, "rl")
+    data.require_columns(ds, ["prompt"], args.dataset, "PPO needs a 'prompt' column.")
+    data.check_text(ds, ["prompt"], args.dataset)
     raw_prompts = ds["prompt"]
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
-    eval_ds = common.eval_data(args)
+    eval_ds = data.eval_data(args)
     if eval_ds is not None:
-        common.require_columns(eval_ds, ["prompt"], args.eval_dataset, "PPO evaluates on prompt-only data.")
-        common.check_text(eval_ds, ["prompt"], args.eval_dataset)
-    common.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
+        data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "PPO evaluates on prompt-only data.")
+        data.check_text(eval_ds, ["prompt"], args.eval_dataset)
+    data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
 
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     policy = common.load_model(args.model, args, adapters=True)
-    ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
+    ref_policy = on_device(lora.reference_of(policy, args), offload_device, args.offload_frozen)
     critic_source = args.model if args.reward_fn else args.reward_model
     if args.use_peft:  # the critic (own adapters, a trained copy of the score head) is loaded first:
         # its base doubles as R_psi. It is not centred by reward_mean: its head is the reward model's
@@ -348,10 +352,10 @@ def main():
     policy.train(), critic.train()
     # --parallel ddp | fsdp2 under torchrun: both trained models (the frozen ones stay whole on every rank)
     policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
-    prompts = [common.render_prompt(tokenizer, p) for p in raw_prompts]
-    common.check_readable(tokenizer, prompts, args.model, args.dataset)
-    truncated_counts = common.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
-    print(f"ppo: {len(prompts)} prompts from {common.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
+    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
+    data.check_readable(tokenizer, prompts, args.model, args.dataset)
+    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
+    print(f"ppo: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
 
@@ -362,18 +366,18 @@ def main():
     scheduler = common.make_scheduler(optimizer, dataclasses.replace(
         args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
     # --resume: policy weights, critic, optimizer (both models), scheduler and RNG; 0 if not resuming
-    start_step = common.maybe_resume(args, policy, optimizer, scheduler, critic=critic)
-    logger = common.MetricsLogger(args, start_step)
+    start_step = checkpoints.maybe_resume(args, policy, optimizer, scheduler, critic=critic)
+    logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, start_step, desc="ppo")
+    pbar = tracking.progress(args, start_step, desc="ppo")
     final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
         # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
         # this rank's prompts of the global rollout batch; the step is the position in the data
-        idx = parallel.shard(common.batch_indices(len(prompts), rollout_batch * parallel.world_size(), args.seed, step))
-        prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+        idx = parallel.shard(data.batch_indices(len(prompts), rollout_batch * parallel.world_size(), args.seed, step))
+        prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
         chunks = []
         for s in range(0, rollout_batch, args.batch_size):
@@ -398,7 +402,7 @@ def main():
                 lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
                 old_logprobs.append(lp)
                 values.append(v)
-                with common.adapters_off(ref_policy):
+                with lora.adapters_off(ref_policy):
                     ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"],
                                                                      mb["completion_ids"], mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
@@ -407,7 +411,7 @@ def main():
             # score on chosen responses
             texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
             reward_model = on_device(reward_model, device, args.offload_frozen)
-            with common.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
+            with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
                 scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
                                {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
             reward_model = on_device(reward_model, offload_device, args.offload_frozen)
@@ -451,7 +455,7 @@ def main():
         logger.update({
             "reward": scores.mean(), "reward_std": scores.std(),
             "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
-            "kl": kl.sum(1).mean(), **common.mean_metrics(stats),
+            "kl": kl.sum(1).mean(), **tracking.mean_metrics(stats),
             "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
             "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
             "grad_norm": grad_norm, "step_time": time.time() - t0},
@@ -460,21 +464,21 @@ def main():
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)
             if args.log_completions:
                 texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
-                common.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
+                tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
                                        {"score": scores, "kl": kl.sum(1)})
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
             eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args)
             logger.log_eval(step + 1, eval_metrics)
             final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   common.training_state(step + 1, optimizer, scheduler, critic=critic))
+            checkpoints.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   checkpoints.training_state(step + 1, optimizer, scheduler, critic=critic))
         final.update(final_reward=parallel.all_reduce(float(scores.mean())), final_kl=parallel.all_reduce(float(kl.sum(1).mean())))
         del batch, advantages, returns, rewards
 
     # ---- final save and evaluation
     logger.close()
-    common.save_final(policy, tokenizer, args)
+    checkpoints.save_final(policy, tokenizer, args)
     if truncated_counts["completions_truncated"]:
         print(f"ppo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
@@ -489,7 +493,7 @@ def main():
         summary.update(common.gold_eval(policy, tokenizer, args))
         print(f"ppo: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
               f"e.g. {summary['samples'][0]!r}")
-    common.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
     print(f"ppo: saved to {args.output_dir}")
 
 
@@ -498,15 +502,15 @@ def test_kl(policy, ref_policy, tokenizer, args, device, offload_device):
     """KL(pi_theta || pi_ref) per completion on the test prompts: the mean over samples
     y ~ pi_theta of sum_t log pi_theta(y_t) - log pi_ref(y_t) (unbiased, k1)."""
     test = common.embedded_world()["test"]
-    prompts = [common.render_prompt(tokenizer, p) for p in test["prompt"]]
+    prompts = [data.render_prompt(tokenizer, p) for p in test["prompt"]]
     ref_policy = on_device(ref_policy, device, args.offload_frozen)
     total = []
     for s in range(0, len(prompts), args.eval_batch_size):
-        p_ids, p_mask = common.encode_prompts(tokenizer, prompts[s:s + args.eval_batch_size], args.max_prompt_length)
+        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[s:s + args.eval_batch_size], args.max_prompt_length)
         p_ids, p_mask = p_ids.to(device), p_mask.to(device)
         c_ids, c_mask, _ = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, temperature=args.temperature)
         lp = sampling.completion_logprobs(policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
-        with common.adapters_off(ref_policy):
+        with lora.adapters_off(ref_policy):
             ref_lp = sampling.completion_logprobs(ref_policy, p_ids, p_mask, c_ids, c_mask, args.temperature)
         total.append(((lp - ref_lp) * c_mask).sum(1).cpu())
     on_device(ref_policy, offload_device, args.offload_frozen)

@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import checkpoints
 import common
+import data
 import memory
 import parallel
 import sampling
+import tracking
 import world
 from common import TrainArgs
 
@@ -75,8 +78,8 @@ def pair_scores(model, tokenizer, triples, args):
     """
     prompts = [p for p, _, _ in triples]
     responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
-    p_ids, p_mask = common.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
-    c_ids, c_mask = common.encode_completions(tokenizer, responses, args.max_completion_length,
+    p_ids, p_mask = data.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
+    c_ids, c_mask = data.encode_completions(tokenizer, responses, args.max_completion_length,
                                               sampling.stop_token_ids(model, tokenizer))  # (2B, C)
     ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
     mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
@@ -101,8 +104,8 @@ def evaluate(model, tokenizer, triples, args):
 
 
 def render(tokenizer, triples):
-    return [(common.render_prompt(tokenizer, p), common.render_completion(tokenizer, p, c),
-             common.render_completion(tokenizer, p, r)) for p, c, r in triples]
+    return [(data.render_prompt(tokenizer, p), data.render_completion(tokenizer, p, c),
+             data.render_completion(tokenizer, p, r)) for p, c, r in triples]
 
 
 def main():
@@ -119,20 +122,20 @@ def main():
     device = common.device()
 
     # ---- data: (prompt, chosen, rejected), a held-out test part
-    ds = common.training_data(args, "prefs")
+    ds = data.training_data(args, "prefs")
     if args.eval_dataset:
-        train_ds, test_ds = ds, common.load_data(args.eval_dataset, "test")
-        test_triples = common.preference_triples(test_ds, args.eval_dataset)
+        train_ds, test_ds = ds, data.load_data(args.eval_dataset, "test")
+        test_triples = data.preference_triples(test_ds, args.eval_dataset)
     else:
-        common.require_columns(ds, ["chosen", "rejected"], args.dataset, "Preference data needs prompt + chosen + rejected.")
+        data.require_columns(ds, ["chosen", "rejected"], args.dataset, "Preference data needs prompt + chosen + rejected.")
         n_test = max(1, int(len(ds) * args.test_size))
         if len(ds) - n_test < 1:
-            common.fail(f"{common.dataset_name(args.dataset)} has {len(ds)} pairs: too few to hold out {args.test_size:.0%}.")
+            common.fail(f"{data.dataset_name(args.dataset)} has {len(ds)} pairs: too few to hold out {args.test_size:.0%}.")
         perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(args.seed)).tolist()
         train_ds, test_ds = ds.select(perm[n_test:]), ds.select(perm[:n_test])
-        test_triples = common.preference_triples(test_ds, args.dataset)
-    train_triples = common.preference_triples(train_ds, args.dataset)
-    common.set_max_steps(args, len(train_triples), args.batch_size * args.gradient_accumulation_steps)
+        test_triples = data.preference_triples(test_ds, args.dataset)
+    train_triples = data.preference_triples(train_ds, args.dataset)
+    data.set_max_steps(args, len(train_triples), args.batch_size * args.gradient_accumulation_steps)
 
     # ---- model: the policy's trunk with a fresh scalar head
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -144,25 +147,25 @@ def main():
     common.disable_dropout(model).train()
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
-    common.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
-    truncated = common.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
+    data.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
+    truncated = data.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
                                          [r for _, c, rj in train_triples for r in (c, rj)], args, "reward")
-    print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {common.dataset_name(args.dataset)}, "
+    print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = common.MetricsLogger(args, start_step)
+    start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, start_step, desc="reward")
+    pbar = tracking.progress(args, start_step, desc="reward")
     for step in pbar:
         rows = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = parallel.shard(common.batch_indices(len(train_triples), args.batch_size * parallel.world_size(),
+            idx = parallel.shard(data.batch_indices(len(train_triples), args.batch_size * parallel.world_size(),
                                                       args.seed, step * args.gradient_accumulation_steps + micro))
             chosen_rewards, rejected_rewards = pair_scores(model, tokenizer, [train_triples[i] for i in idx], args)  # (B,), (B,)
             loss, m = bradley_terry_loss(chosen_rewards, rejected_rewards)
@@ -174,7 +177,7 @@ def main():
         scheduler.step()
 
         # ---- log (means over the --logging_steps window) and save
-        logger.update({**common.mean_metrics(rows), "grad_norm": grad_norm})
+        logger.update({**tracking.mean_metrics(rows), "grad_norm": grad_norm})
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             metrics = {"learning_rate": scheduler.get_last_lr()[0]}
             if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
@@ -182,13 +185,13 @@ def main():
                 metrics.update({f"eval_{k}": v for k, v in ev.items()})
             logger.log(step + 1, metrics, pbar)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   common.training_state(step + 1, optimizer, scheduler))
+            checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final evaluation: test and (an equal-sized slice of) train accuracy
     test, test_chosen, test_rejected = evaluate(model, tokenizer, test_triples, args)
     n_slice = min(len(train_triples), max(len(test_triples), 256))
-    train_slice = [train_triples[i] for i in common.batch_indices(len(train_triples), n_slice, args.seed + 1, 0)]
+    train_slice = [train_triples[i] for i in data.batch_indices(len(train_triples), n_slice, args.seed + 1, 0)]
     train, train_chosen, _ = evaluate(model, tokenizer, train_slice, args)
     logger.log(args.max_steps, {f"eval_{k}": v for k, v in test.items()})
     logger.close()
@@ -221,8 +224,8 @@ def main():
 
     # ---- final save: reward_mean travels in the config so ppo.py / grpo.py can centre rewards
     model.config.reward_mean = reward_mean
-    common.save_final(model, tokenizer, args)
-    common.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.save_final(model, tokenizer, args)
+    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
     print(f"reward: saved to {args.output_dir}")
 
 

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 import common
+import data
 import parallel
 
 
@@ -300,7 +301,7 @@ def reward_completions(prompts, texts):
     (`decode_completions`), in TRL's exact form: the text itself, unchanged, after a text prompt;
     one assistant message holding that text after a conversational prompt. Every script that
     scores completions (grpo.py, ppo.py, dpo.py --online, eval.py) goes through here."""
-    return [[{"role": "assistant", "content": t}] if common.is_conversational(p) else t
+    return [[{"role": "assistant", "content": t}] if data.is_conversational(p) else t
             for p, t in zip(prompts, texts)]
 
 
@@ -321,7 +322,7 @@ def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, **sam
     """Generate for a list of rendered prompt texts; returns (texts, truncated flags)."""
     texts, truncated = [], []
     for i in range(0, len(prompts), batch_size):
-        ids, mask = common.encode_prompts(tokenizer, prompts[i:i + batch_size])
+        ids, mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size])
         c, cm, tr = generate(model, tokenizer, ids.to(model.device), mask.to(model.device), max_new_tokens, **sampling)
         texts += decode_completions(tokenizer, c, cm, tr)
         truncated += tr.tolist()
@@ -348,8 +349,8 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, m
     """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU."""
     scores = []
     for i in range(0, len(prompts), batch_size):
-        p_ids, p_mask = common.encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
-        c_ids, c_mask = common.encode_completions(tokenizer, completions[i:i + batch_size], max_length,
+        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
+        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], max_length,
                                                   stop_token_ids(model, tokenizer))
         ids = torch.cat([p_ids, c_ids], 1).to(model.device)
         mask = torch.cat([p_mask, c_mask], 1).to(model.device)
@@ -361,7 +362,7 @@ def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_lengt
     """Reward-model scores of dataset prompts (text or conversations) and their completions (text,
     or assistant messages), rendered through the reward model's own tokenizer and chat template,
     as reward.py rendered its training pairs: (N,) on the CPU."""
-    rendered = [common.render_prompt(tokenizer, p) for p in prompts]
-    answers = [common.render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    rendered = [data.render_prompt(tokenizer, p) for p in prompts]
+    answers = [data.render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
     return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_length)
 

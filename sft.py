@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+import checkpoints
 import common
+import data
 import memory
 import parallel
 import sampling
 import scratch
+import tracking
 import world
 from common import TrainArgs
 
@@ -77,10 +80,10 @@ def evaluate(model, tokenizer, pairs, args):
     total, count = 0.0, 0
     for i in range(0, len(pairs), args.eval_batch_size):
         chunk = pairs[i:i + args.eval_batch_size]
-        prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [common.render_prompt(tokenizer, p) for p, _ in chunk],
+        prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in chunk],
                                                         args.max_prompt_length)
-        completion_ids, completion_mask, loss_mask = common.encode_turns(
-            tokenizer, [common.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length)
+        completion_ids, completion_mask, loss_mask = data.encode_turns(
+            tokenizer, [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length)
         logprobs = sampling.completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
                                                 completion_ids.to(device), completion_mask.to(device))
         total -= float((logprobs * loss_mask.to(device)).sum())
@@ -99,8 +102,8 @@ def main():
     device = common.device()
 
     # ---- data, then the model and tokenizer (a from-scratch tokenizer is fitted to the data)
-    ds = common.training_data(args, "sft")
-    pairs = common.sft_pairs(ds, args.dataset)
+    ds = data.training_data(args, "sft")
+    pairs = data.sft_pairs(ds, args.dataset)
     from_scratch = args.model == ""
     if from_scratch and args.use_peft:
         common.fail("--use_peft trains adapters on a pretrained base: pass --model (e.g. runs/sft).")
@@ -125,18 +128,18 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- the (prompt, completion) pairs rendered to text
-    prompts = [common.render_prompt(tokenizer, p) for p, _ in pairs]
-    turns = [common.render_turns(tokenizer, p, c) for p, c in pairs]  # [(text, trained), ...] per example
+    prompts = [data.render_prompt(tokenizer, p) for p, _ in pairs]
+    turns = [data.render_turns(tokenizer, p, c) for p, c in pairs]  # [(text, trained), ...] per example
     completions = ["".join(t for t, _ in segments) for segments in turns]
-    common.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
-    eval_ds = common.eval_data(args)
-    eval_pairs = common.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
-    common.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
-    print(f"sft: {len(pairs)} examples from {common.dataset_name(args.dataset)}, "
+    data.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
+    eval_ds = data.eval_data(args)
+    eval_pairs = data.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
+    data.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+    print(f"sft: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
-    truncated = {"prompts_truncated": common.count_truncated(tokenizer, prompts, args.max_prompt_length),
-                 "completions_truncated": common.count_truncated(tokenizer, completions, args.max_completion_length, True)}
+    truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
+                 "completions_truncated": data.count_truncated(tokenizer, completions, args.max_completion_length, True)}
     if any(truncated.values()):
         print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
@@ -153,20 +156,20 @@ def main():
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    start_step = common.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = common.MetricsLogger(args, start_step)
+    start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
+    logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = common.progress(args, start_step, desc="sft")
+    pbar = tracking.progress(args, start_step, desc="sft")
     losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
         batches = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = parallel.shard(common.batch_indices(len(pairs), global_batch, args.seed,
+            idx = parallel.shard(data.batch_indices(len(pairs), global_batch, args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
-            prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
-            completion_ids, completion_mask, loss_mask = common.encode_turns(
+            prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+            completion_ids, completion_mask, loss_mask = data.encode_turns(
                 tokenizer, [turns[i] for i in idx], args.max_completion_length, stop_ids)
             batches.append([t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask)])
         # one token mean over the optimizer batch (every micro-batch, every rank; see sft_loss)
@@ -191,12 +194,12 @@ def main():
             eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args)}
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            common.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   common.training_state(step + 1, optimizer, scheduler))
+            checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
+                                   checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
     logger.close()
-    common.save_final(model, tokenizer, args)
+    checkpoints.save_final(model, tokenizer, args)
     summary = {"final_loss": parallel.all_reduce(torch.stack(losses).sum()).item() if losses else None,
                **truncated, **init, **eval_metrics}
     if args.dataset == common.EMBEDDED:
@@ -204,7 +207,7 @@ def main():
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))
         print(f"sft: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
               f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
-    common.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
     print(f"sft: saved to {args.output_dir}")
 
 

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoints  # noqa: E402
 import common  # noqa: E402
+import data  # noqa: E402
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 
@@ -47,7 +49,7 @@ def measure_gradients(model_path, num_gradients, seed):
     model = common.load_model(model_path, args)
     model.train()
     ds = common.embedded_world(seed)["rl"]
-    prompts = [common.render_prompt(tokenizer, p) for p in ds["prompt"]]
+    prompts = [data.render_prompt(tokenizer, p) for p in ds["prompt"]]
     gold = common.load_reward_fn("gold")
     rng = np.random.default_rng(seed)
     grads = {G: [] for G, _ in GROUPS}
@@ -55,7 +57,7 @@ def measure_gradients(model_path, num_gradients, seed):
     for k in range(num_gradients):
         for G, batch_size in GROUPS[k % 3:] + GROUPS[:k % 3]:  # interleaved, rotated: the load falls on every G alike
             idx = rng.choice(len(ds), size=batch_size, replace=False).tolist()
-            prompt_ids, prompt_mask = common.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
+            prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             t0 = time.perf_counter()
             completion_ids, completion_mask, truncated = sampling.generate(model, tokenizer, prompt_ids, prompt_mask,
                                                                  args.max_completion_length, args.temperature,
@@ -193,7 +195,7 @@ def main():
     measure_seconds = time.time() - t
     baseline = results["policies"]["sft"]["score"]
     plot(a.output + ".png", runs, results, measured, baseline)
-    common.write_json(a.output + ".json", {"runs": runs, "measured_at_sft": measured, "measure_seconds": measure_seconds,
+    checkpoints.write_json(a.output + ".json", {"runs": runs, "measured_at_sft": measured, "measure_seconds": measure_seconds,
                                            "eval": {k: results[k] for k in ("policies", "pairwise", "elo")}})
 
     # the table of STUDIES.md

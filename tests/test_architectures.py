@@ -22,6 +22,7 @@ import torch
 import transformers
 
 import common
+import data
 import sampling
 import world
 
@@ -72,7 +73,7 @@ def build(arch):
 
 
 def prompts():
-    return common.encode_prompts(tokenizer(), PROMPTS)  # (3, P) left-padded, lengths differ
+    return data.encode_prompts(tokenizer(), PROMPTS)  # (3, P) left-padded, lengths differ
 
 
 def naive_logprobs(model, p_ids, p_mask, c_ids, c_mask):
@@ -105,7 +106,7 @@ def test_logprobs_match_the_forward(arch, checkpointing, k):
         common.enable_checkpointing(model)
         model.train()  # checkpointing only acts in training mode (no dropout in these configs)
     p_ids, p_mask = prompts()
-    c_ids, c_mask = common.encode_completions(tok, (COMPLETIONS * 2)[:3 * k])  # row i continues prompt i // k
+    c_ids, c_mask = data.encode_completions(tok, (COMPLETIONS * 2)[:3 * k])  # row i continues prompt i // k
     lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
     ref = naive_logprobs(model, p_ids.repeat_interleave(k, 0), p_mask.repeat_interleave(k, 0), c_ids, c_mask)
     torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
@@ -116,7 +117,7 @@ def test_logprobs_match_the_forward(arch, checkpointing, k):
 def test_logprobs_match_the_forward_in_bf16(arch):
     model, tok = copy.deepcopy(build(arch)).to(torch.bfloat16), tokenizer()
     p_ids, p_mask = prompts()
-    c_ids, c_mask = common.encode_completions(tok, COMPLETIONS[:3] * 2)
+    c_ids, c_mask = data.encode_completions(tok, COMPLETIONS[:3] * 2)
     with torch.no_grad():
         lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
         ref = naive_logprobs(model, p_ids.repeat_interleave(2, 0), p_mask.repeat_interleave(2, 0), c_ids, c_mask)

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import checkpoints
 import common
+import data
 import memory
 import world
 
@@ -22,10 +24,10 @@ def _args(**kw):
 
 def test_encode_pads_and_eos():
     tok = world.build_tokenizer()
-    ids, mask = common.encode_prompts(tok, ["POST: a b", "POST: alice bought the bike . TL;DR:"], max_length=4)
+    ids, mask = data.encode_prompts(tok, ["POST: a b", "POST: alice bought the bike . TL;DR:"], max_length=4)
     assert ids.shape == (2, 4) and mask[0].tolist() == [0, 1, 1, 1] and mask[1].tolist() == [1, 1, 1, 1]
     assert ids[1, -1] == tok.convert_tokens_to_ids("TL;DR:")  # too-long prompts keep their end
-    c, cm = common.encode_completions(tok, [" alice", " alice bought bike ."])
+    c, cm = data.encode_completions(tok, [" alice", " alice bought bike ."])
     assert c[0].tolist()[:2] == [tok.convert_tokens_to_ids("alice"), tok.eos_token_id]
     assert cm[0].tolist() == [1, 1, 0, 0, 0] and c[0, 2] == tok.pad_token_id
     assert c[1, -1] == tok.eos_token_id
@@ -111,36 +113,36 @@ def chat_tokenizer():
 
 def test_prompt_completion_jsonl(tmp_path, chat_tokenizer):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "POST: a", "completion": " alice ."}] * 3)
-    pairs = common.sft_pairs(common.load_data(path), path)
+    pairs = data.sft_pairs(data.load_data(path), path)
     assert pairs[0] == ("POST: a", " alice .")
 
 
 def test_messages_format(tmp_path, chat_tokenizer):
     msgs = [{"role": "user", "content": "alice bought the bike"}, {"role": "assistant", "content": "alice bought bike ."}]
     path = _write_jsonl(tmp_path / "m.jsonl", [{"messages": msgs}])
-    (prompt, completion), = common.sft_pairs(common.load_data(path), path)
-    assert common.render_prompt(chat_tokenizer, prompt) == "<|user|> alice bought the bike <|assistant|>"
-    assert common.render_completion(chat_tokenizer, prompt, completion) == " alice bought bike . <eos> "
+    (prompt, completion), = data.sft_pairs(data.load_data(path), path)
+    assert data.render_prompt(chat_tokenizer, prompt) == "<|user|> alice bought the bike <|assistant|>"
+    assert data.render_completion(chat_tokenizer, prompt, completion) == " alice bought bike . <eos> "
 
 
 def test_preference_formats(tmp_path):
     std = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "chosen": " a", "rejected": " b"}])
-    assert common.preference_triples(common.load_data(std), std) == [("x", " a", " b")]
+    assert data.preference_triples(data.load_data(std), std) == [("x", " a", " b")]
     u = {"role": "user", "content": "x"}
     conv = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": [u], "chosen": [{"role": "assistant", "content": "a"}],
                                                  "rejected": [{"role": "assistant", "content": "b"}]}])
-    (p, c, r), = common.preference_triples(common.load_data(conv), conv)
+    (p, c, r), = data.preference_triples(data.load_data(conv), conv)
     assert p == [u] and c[0]["content"] == "a"
     implicit = _write_jsonl(tmp_path / "i.jsonl", [{"chosen": [u, {"role": "assistant", "content": "a"}],
                                                      "rejected": [u, {"role": "assistant", "content": "b"}]}])
-    (p, c, r), = common.preference_triples(common.load_data(implicit), implicit)
+    (p, c, r), = data.preference_triples(data.load_data(implicit), implicit)
     assert p == [u] and r[0]["content"] == "b"
 
 
 def test_prompt_only_keeps_extra_columns(tmp_path):
     path = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "2+2=", "answer": "4"}])
-    ds = common.load_data(path)
-    common.require_columns(ds, ["prompt"], path)
+    ds = data.load_data(path)
+    data.require_columns(ds, ["prompt"], path)
     assert ds[0]["answer"] == "4"
 
 
@@ -148,11 +150,11 @@ def test_parquet_and_folder(tmp_path):
     from datasets import Dataset
 
     Dataset.from_list([{"prompt": "x", "completion": " y"}]).to_parquet(str(tmp_path / "d.parquet"))
-    assert len(common.load_data(str(tmp_path / "d.parquet"))) == 1
+    assert len(data.load_data(str(tmp_path / "d.parquet"))) == 1
     folder = tmp_path / "folder"
     folder.mkdir()
     _write_jsonl(folder / "train.jsonl", [{"prompt": "x", "completion": " y"}] * 2)
-    assert len(common.load_data(str(folder))) == 2
+    assert len(data.load_data(str(folder))) == 2
 
 
 def _error(fn, *a):
@@ -163,32 +165,32 @@ def _error(fn, *a):
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "completion": "y"}, '{"prompt": "x", '])
-    msg = _error(common.load_data, path)
+    msg = _error(data.load_data, path)
     assert "bad.jsonl" in msg and "line 2" in msg
     path = _write_jsonl(tmp_path / "list.jsonl", ["[1, 2]"])
-    assert "line 1" in _error(common.load_data, path)
+    assert "line 1" in _error(data.load_data, path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert "empty" in _error(common.load_data, str(empty))
-    assert "does not exist" in _error(common.load_data, str(tmp_path / "missing.jsonl"))
+    assert "empty" in _error(data.load_data, str(empty))
+    assert "does not exist" in _error(data.load_data, str(tmp_path / "missing.jsonl"))
 
 
 def test_missing_column_and_bad_row_are_named(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "y"}])
-    msg = _error(common.sft_pairs, common.load_data(path), path)
+    msg = _error(data.sft_pairs, data.load_data(path), path)
     assert "'completion'" in msg and "d.jsonl" in msg
-    msg = _error(common.preference_triples, common.load_data(path), path)
+    msg = _error(data.preference_triples, data.load_data(path), path)
     assert "'chosen'" in msg
     path = _write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "completion": "y"}, {"prompt": "x", "completion": ""}])
-    msg = _error(common.sft_pairs, common.load_data(path), path)
+    msg = _error(data.sft_pairs, data.load_data(path), path)
     assert "row 1" in msg and "'completion'" in msg
 
 
 def test_batch_indices_cycle_through_epochs():
-    seen = [i for step in range(5) for i in common.batch_indices(10, 4, seed=1, step=step)]
+    seen = [i for step in range(5) for i in data.batch_indices(10, 4, seed=1, step=step)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
     assert seen[:10] != seen[10:20]  # a fresh order each epoch
-    assert common.batch_indices(10, 4, seed=1, step=3) == seen[12:16]  # stateless: resumable
+    assert data.batch_indices(10, 4, seed=1, step=3) == seen[12:16]  # stateless: resumable
 
 
 # ------------------------------------------------------------------ checkpoints and memory
@@ -199,9 +201,9 @@ def test_checkpoints_load_with_automodel(tmp_path, tiny_qwen):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
     args = _args(output_dir=str(tmp_path / "out"))
     os.makedirs(args.output_dir)
-    common.save_checkpoint(model, tok, args, f"{args.output_dir}/checkpoint-1", state={"step": 1})
-    common.save_checkpoint(model, tok, args, f"{args.output_dir}/checkpoint-1", state={"step": 1})  # overwrite
-    common.save_final(model, tok, args)
+    checkpoints.save_checkpoint(model, tok, args, f"{args.output_dir}/checkpoint-1", state={"step": 1})
+    checkpoints.save_checkpoint(model, tok, args, f"{args.output_dir}/checkpoint-1", state={"step": 1})  # overwrite
+    checkpoints.save_final(model, tok, args)
     for folder in (f"{args.output_dir}/checkpoint-1", args.output_dir):
         again = AutoModelForCausalLM.from_pretrained(folder)
         assert torch.equal(again.lm_head.weight, model.lm_head.weight)

@@ -144,10 +144,10 @@ def _metrics_with_different_keys(tmp):
     pairs all tied has no loss): the union is logged, a missing key is absent from its mean."""
     from types import SimpleNamespace
 
-    import common
     import parallel
+    import tracking
 
-    logger = common.MetricsLogger(SimpleNamespace(output_dir=f"{tmp}/metrics", report_to="none"))
+    logger = tracking.MetricsLogger(SimpleNamespace(output_dir=f"{tmp}/metrics", report_to="none"))
     mine = [{"loss": 1.0, "ties": 4, "only_rank0": 2.0}, {"ties": 4, "only_rank1": 5.0}][parallel.rank()]
     logger.log(1, mine)
     logger.log(2, {"loss": 1.0 + parallel.rank(), "ties": 0})
@@ -199,6 +199,7 @@ def _bf16_ranks(tmp, tiny_qwen):
 
     from transformers import AutoModelForCausalLM
 
+    import checkpoints
     import common
     import parallel
 
@@ -242,14 +243,14 @@ def _bf16_ranks(tmp, tiny_qwen):
 
     model, optimizer, scheduler = make()
     train(model, optimizer, scheduler, range(2))
-    common.save_checkpoint(model, None, args("adamw"), f"{tmp}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    checkpoints.save_checkpoint(model, None, args("adamw"), f"{tmp}/checkpoint-2", checkpoints.training_state(2, optimizer, scheduler))
     train(model, optimizer, scheduler, range(2, 4))
     replicated = torch.cat([p.detach().float().reshape(-1) for p in model.parameters() if not parallel.is_sharded_param(p)])
     assert _all_equal(replicated) == 0, "FSDP2's replicated parameters differ between ranks"
     model2, optimizer2, scheduler2 = make()
     resume = args("adamw", "fsdp2")
     resume.resume_from_checkpoint = f"{tmp}/checkpoint-2"
-    assert common.maybe_resume(resume, model2, optimizer2, scheduler2) == 2
+    assert checkpoints.maybe_resume(resume, model2, optimizer2, scheduler2) == 2
     train(model2, optimizer2, scheduler2, range(2, 4))
     a, b = full(model), full(model2)
     for name in a:

@@ -26,7 +26,9 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
+import checkpoints
 import common
+import data
 import sampling
 import world
 
@@ -45,7 +47,7 @@ def _error(fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("guards")
     sft = [{"prompt": f"POST: alice bought the bike {i} . TL;DR:", "completion": " alice bought bike ."}
            for i in range(12)]
@@ -53,17 +55,17 @@ def data(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ NaN / inf
-def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, tiny_qwen, data):
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, tiny_qwen, files):
     out = str(tmp_path / "nan")
     # a learning rate of 1e30 sends the weights to ~1e30 at step 1; step 2's logits overflow
-    proc = run_script("sft.py", "--model", tiny_qwen, "--dataset", data["sft"], "--output_dir", out, "--max_steps", "4",
+    proc = run_script("sft.py", "--model", tiny_qwen, "--dataset", files["sft"], "--output_dir", out, "--max_steps", "4",
                       "--batch_size", "4", "--save_steps", "1", "--learning_rate", "1e30", "--warmup_steps", "0",
                       "--optim", "adamw", "--max_grad_norm", "0", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "loss is NaN at step 2" in proc.stderr and "--resume" in proc.stderr
     assert os.path.exists(os.path.join(out, "checkpoint-1", "trainer_state.pt"))
     assert not os.path.exists(os.path.join(out, "checkpoint-2"))
-    assert common.last_checkpoint(out) == os.path.join(out, "checkpoint-1")
+    assert checkpoints.last_checkpoint(out) == os.path.join(out, "checkpoint-1")
 
 
 def test_check_finite_names_what_and_when():
@@ -122,7 +124,7 @@ def test_dataset_smaller_than_one_batch_cycles(tiny_run):
     assert "3 examples are fewer than one batch of 8" in tiny_run["proc"].stdout
     rows = [json.loads(line) for line in open(os.path.join(tiny_run["out"], "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in rows)
-    idx = common.batch_indices(3, 8, seed=0, step=0)
+    idx = data.batch_indices(3, 8, seed=0, step=0)
     assert len(idx) == 8 and set(idx) == {0, 1, 2}  # every example, some twice
 
 
@@ -139,9 +141,9 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
-    ids, mask = common.encode_completions(tok, ["", " alice ."])
+    ids, mask = data.encode_completions(tok, ["", " alice ."])
     assert ids[0, 0] == tok.eos_token_id and mask[0].tolist() == [1] + [0] * (mask.shape[1] - 1)  # EOS only
-    p_ids, p_mask = common.encode_prompts(tok, ["POST: a . TL;DR:"] * 2)
+    p_ids, p_mask = data.encode_prompts(tok, ["POST: a . TL;DR:"] * 2)
     logprobs = sampling.completion_logprobs(model, p_ids, p_mask, ids, mask)
     assert torch.isfinite(logprobs).all() and (logprobs[0, 1:] == 0).all()
     assert sampling.decode_completions(tok, ids, mask, torch.tensor([False, False]))[0] == ""
@@ -196,20 +198,20 @@ def test_no_checkpoint_holds_a_nan_weight_and_none_is_resumed(tmp_path, tiny_qwe
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
-    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-1", common.training_state(1, optimizer, scheduler))
+    checkpoints.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-1", checkpoints.training_state(1, optimizer, scheduler))
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
-    msg = _error(common.save_checkpoint, model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    msg = _error(checkpoints.save_checkpoint, model, None, args, f"{tmp_path}/checkpoint-2", checkpoints.training_state(2, optimizer, scheduler))
     assert "model.norm.weight holds NaN/inf; not saving" in msg and not os.path.exists(f"{tmp_path}/checkpoint-2")
     # one written before this guard existed: --resume refuses it and offers the previous one
-    common._save_folder(model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler), None)
-    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    checkpoints._save_folder(model, None, args, f"{tmp_path}/checkpoint-2", checkpoints.training_state(2, optimizer, scheduler), None)
+    msg = _error(checkpoints.maybe_resume, args, model, optimizer, scheduler)
     assert "checkpoint-2: the weight model.norm.weight holds NaN/inf" in msg
     assert f"--resume_from_checkpoint {tmp_path}/checkpoint-1" in msg
     # a torn weights file: named, with the previous checkpoint offered
     with open(f"{tmp_path}/checkpoint-2/model.safetensors", "r+b") as f:
         f.truncate(1000)
-    msg = _error(common.maybe_resume, args, model, optimizer, scheduler)
+    msg = _error(checkpoints.maybe_resume, args, model, optimizer, scheduler)
     assert "checkpoint-2/model.safetensors cannot be read" in msg and "checkpoint-1" in msg
 
 
@@ -220,7 +222,7 @@ def test_nan_logits_are_a_sentence_not_a_multinomial_error(tiny_qwen):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
-    ids, mask = common.encode_prompts(tok, ["POST: a . TL;DR:"])
+    ids, mask = data.encode_prompts(tok, ["POST: a . TL;DR:"])
     msg = _error(sampling.generate, model, tok, ids, mask, 4)
     assert "next-token logits hold NaN/inf (generated token 1)" in msg and "--learning_rate" in msg
 
@@ -243,24 +245,24 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     (out / "summary.json").write_text("{}")
     args = SimpleNamespace(output_dir=str(out), model=tiny_qwen, resume=False, resume_from_checkpoint="",
                            overwrite_output_dir=False, estimate_memory=False)
-    msg = _error(common.check_output_dir, args)
+    msg = _error(checkpoints.check_output_dir, args)
     assert "holds another run's model and checkpoints (checkpoint-2, config.json)" in msg and "--overwrite_output_dir" in msg
-    assert "is the --model folder" in _error(common.check_output_dir, SimpleNamespace(**{**vars(args), "output_dir": tiny_qwen}))
+    assert "is the --model folder" in _error(checkpoints.check_output_dir, SimpleNamespace(**{**vars(args), "output_dir": tiny_qwen}))
     args.overwrite_output_dir = True
-    common.check_output_dir(args)
+    checkpoints.check_output_dir(args)
     # a live run holds <output_dir>/.lock: a second one is refused; the OS frees it when the holder dies
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
                                str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
-    assert "another run is writing to" in _error(common.claim_output_dir, args)
+    assert "another run is writing to" in _error(checkpoints.claim_output_dir, args)
     assert os.path.exists(out / "checkpoint-2")  # nothing removed by the refused run
     holder.kill()
     holder.wait()
-    common.claim_output_dir(args)  # after the holder's crash: free again; the previous run's leftovers go
+    checkpoints.claim_output_dir(args)  # after the holder's crash: free again; the previous run's leftovers go
     assert sorted(os.listdir(out)) == [".lock"]  # nothing of the previous run looks current
-    assert "another run is writing to" in _error(common.claim_output_dir, args)  # held by this process now
-    common._LOCK.close()
+    assert "another run is writing to" in _error(checkpoints.claim_output_dir, args)  # held by this process now
+    checkpoints._LOCK.close()
 
 
 # ------------------------------------------------------------------ validation before anything loads (#18)
@@ -293,20 +295,20 @@ def test_bad_flags_fail_before_anything_loads(monkeypatch, tmp_path, script, arg
 def test_bad_data_files_are_one_sentence(tmp_path):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n\n")
-    assert "blank.jsonl is empty (no JSON rows" in _error(common.load_data, str(blank))
+    assert "blank.jsonl is empty (no JSON rows" in _error(data.load_data, str(blank))
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
-    assert "latin.jsonl, line 2: not UTF-8 (byte 0xe9 at column 16)" in _error(common.load_data, str(latin))
+    assert "latin.jsonl, line 2: not UTF-8 (byte 0xe9 at column 16)" in _error(data.load_data, str(latin))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
-    assert "empty.parquet has no rows" in _error(common.load_data, str(tmp_path / "empty.parquet"))
+    assert "empty.parquet has no rows" in _error(data.load_data, str(tmp_path / "empty.parquet"))
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
-    assert "train.jsonl, line 2: not valid JSON" in _error(common.load_data, str(folder))
-    assert "dataset ./nope does not exist" in _error(common.load_data, "./nope")
+    assert "train.jsonl, line 2: not valid JSON" in _error(data.load_data, str(folder))
+    assert "dataset ./nope does not exist" in _error(data.load_data, "./nope")
 
 
 def test_empty_conversational_responses_and_identical_pairs(capsys):
@@ -314,15 +316,15 @@ def test_empty_conversational_responses_and_identical_pairs(capsys):
 
     user = {"role": "user", "content": "POST: a . TL;DR:"}
     msgs = Dataset.from_list([{"messages": [user, {"role": "assistant", "content": " "}]}])
-    assert "row 0, column 'messages': the last assistant message is empty" in _error(common.sft_pairs, msgs, "m.jsonl")
+    assert "row 0, column 'messages': the last assistant message is empty" in _error(data.sft_pairs, msgs, "m.jsonl")
     conv = Dataset.from_list([{"chosen": [user, {"role": "assistant", "content": ""}],
                                "rejected": [user, {"role": "assistant", "content": "b"}]}])
-    assert "row 0, column 'chosen': the last assistant message is empty" in _error(common.preference_triples, conv, "p.jsonl")
+    assert "row 0, column 'chosen': the last assistant message is empty" in _error(data.preference_triples, conv, "p.jsonl")
     with_prompt = Dataset.from_list([{"prompt": [user], "chosen": [{"role": "assistant", "content": ""}],
                                       "rejected": [{"role": "assistant", "content": "b"}]}])
-    assert "row 0, column 'chosen'" in _error(common.preference_triples, with_prompt, "p.jsonl")
+    assert "row 0, column 'chosen'" in _error(data.preference_triples, with_prompt, "p.jsonl")
     same = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "c", "rejected": "c"}])
-    assert len(common.preference_triples(same, "p.jsonl")) == 2  # kept, but counted
+    assert len(data.preference_triples(same, "p.jsonl")) == 2  # kept, but counted
     assert "1 of 2 pairs of p.jsonl have chosen == rejected (first: row 1)" in capsys.readouterr().out
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoints
 import common
 import dpo
 import grpo
+import lora
 import memory
 import reward
 import sampling
@@ -76,7 +78,7 @@ def test_reward_model_trains_adapters_and_a_copy_of_the_score_head(tiny_qwen):
     frozen, trained = _frozen_and_trained(model)
     assert any("score" in n for n in trained) and all("lora_" in n or "score" in n for n in trained)
     ids = torch.randint(2, model.config.vocab_size, (4, 7))
-    with common.adapters_off(model):
+    with lora.adapters_off(model):
         base_scores = sampling.sequence_scores(model, ids, torch.ones_like(ids)).detach()
     optimizer = common.make_optimizer(model, args)
     for _ in range(3):
@@ -89,7 +91,7 @@ def test_reward_model_trains_adapters_and_a_copy_of_the_score_head(tiny_qwen):
         elif "score" in n:
             assert not torch.equal(p, trained[n]), n
     # with the adapters off it is the untouched model again (PPO's reward model next to its critic)
-    with common.adapters_off(model):
+    with lora.adapters_off(model):
         assert torch.equal(sampling.sequence_scores(model, ids, torch.ones_like(ids)), base_scores)
 
 
@@ -99,10 +101,10 @@ def test_reference_is_the_base_with_adapters_off(tiny_qwen):
     args = _args(tiny_qwen)
     model = common.load_model(tiny_qwen, args, adapters=True)
     base = common.freeze(common.load_model(tiny_qwen, args))  # a plain copy, to compare with
-    ref_model = common.reference_of(model, args)
+    ref_model = lora.reference_of(model, args)
     assert ref_model is model  # no second copy
     batch = _batch(model.config.vocab_size)
-    with common.adapters_off(ref_model):
+    with lora.adapters_off(ref_model):
         ref_logprobs = _logprobs(ref_model, batch)
     logprobs = _logprobs(model, batch)
     assert torch.equal(ref_logprobs, logprobs)
@@ -114,7 +116,7 @@ def test_reference_is_the_base_with_adapters_off(tiny_qwen):
     assert torch.allclose(losses, torch.full_like(losses, math.log(2)), atol=0, rtol=0)
 
     _train(model, args)
-    with common.adapters_off(ref_model):
+    with lora.adapters_off(ref_model):
         ref_logprobs = _logprobs(ref_model, batch)
     assert torch.equal(ref_logprobs, _logprobs(base, batch))
     assert not torch.allclose(_logprobs(model, batch), ref_logprobs, atol=1e-3)
@@ -130,7 +132,7 @@ def test_merged_model_equals_the_adapter_model(tiny_qwen, tmp_path):
     model = common.load_model(tiny_qwen, args, adapters=True)
     _train(model, args)
     tokenizer = common.load_tokenizer(tiny_qwen)
-    common.save_final(model, tokenizer, args)
+    checkpoints.save_final(model, tokenizer, args)
     assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
     assert os.path.isfile(tmp_path / "adapter" / "args.json")
     assert not os.path.exists(tmp_path / "adapter_config.json")

@@ -9,6 +9,7 @@ import torch
 from conftest import run_script
 
 import common
+import data
 import ppo
 import sampling
 
@@ -101,7 +102,7 @@ def test_first_minibatch_has_ratio_one(tiny_qwen):
     critic = common.load_model(tiny_qwen, A, cls=AutoModelForSequenceClassification, num_labels=1).eval()
     prompts = ["POST: alice bought the bike . TL;DR:", "POST: bob lost the phone at the park . TL;DR:",
                "POST: erin hid the lamp . nobody knows why . TL;DR:", "POST: dave sold a car . TL;DR:"] * 2
-    p_ids, p_mask = common.encode_prompts(tok, prompts)
+    p_ids, p_mask = data.encode_prompts(tok, prompts)
     c_ids, c_mask, _ = sampling.generate(policy, tok, p_ids, p_mask, 10)
     batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
     with torch.no_grad():  # the rollout pass, in micro-batches of 4 as ppo.main runs it
@@ -221,8 +222,8 @@ def test_critic_starts_centred_like_the_score(tiny_qwen, tiny_reward_model):
     tok = common.load_tokenizer(tiny_qwen)
     critic = ppo.load_critic(tiny_reward_model, A, 0.25)
     raw = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1)
-    p_ids, p_mask = common.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
-    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " bob"])
+    p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " bob"])
     with torch.no_grad():
         values = ppo.token_values(critic, p_ids, p_mask, c_ids, c_mask)
         expected = (ppo.token_values(raw, p_ids, p_mask, c_ids, c_mask) - 0.25) * c_mask

@@ -2,7 +2,7 @@
 exactly where an uninterrupted run ends (CPU: bitwise, 8-bit optimizer states included).
 
 The crash is made deterministic with the test hook RLHF_TEST_CRASH_WHILE_SAVING=checkpoint-<step>
-(common.save_checkpoint SIGKILLs its own process after writing the weights of that checkpoint into
+(checkpoints.save_checkpoint SIGKILLs its own process after writing the weights of that checkpoint into
 its temporary folder, before the rename): the steps logged after the last complete checkpoint and
 the half-written folder must both be discarded on resume.
 """
@@ -18,7 +18,9 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
+import checkpoints
 import common
+import tracking
 
 
 def _launch(*argv, env=None):
@@ -125,18 +127,18 @@ def test_training_state_round_trips_optimizer_scheduler_and_rng(tmp_path, tiny_q
     torch.manual_seed(0)
     model, optimizer, scheduler = make()
     train(model, optimizer, scheduler, range(3))
-    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-3", common.training_state(3, optimizer, scheduler))
+    checkpoints.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-3", checkpoints.training_state(3, optimizer, scheduler))
     train(model, optimizer, scheduler, range(3, 5))
     draw = random.random()
 
     model2, optimizer2, scheduler2 = make()
     args.resume_from_checkpoint = f"{tmp_path}/checkpoint-3"
-    assert common.maybe_resume(args, model2, optimizer2, scheduler2) == 3
+    assert checkpoints.maybe_resume(args, model2, optimizer2, scheduler2) == 3
     train(model2, optimizer2, scheduler2, range(3, 5))
     assert random.random() == draw
     assert scheduler2.get_last_lr() == scheduler.get_last_lr()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
-    assert common.last_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-3"
+    assert checkpoints.last_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-3"
 
 
 def test_online_dpo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
@@ -231,14 +233,14 @@ def test_bf16_resume_ends_where_the_uninterrupted_run_ends(tmp_path, tiny_qwen, 
 
     model, optimizer, scheduler = make()
     train(model, optimizer, scheduler, range(2))
-    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-2", common.training_state(2, optimizer, scheduler))
+    checkpoints.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-2", checkpoints.training_state(2, optimizer, scheduler))
     torch.manual_seed(1)  # the global RNG must not matter: the rounding noise has its own generator
     train(model, optimizer, scheduler, range(2, 4))
 
     model2, optimizer2, scheduler2 = make()
     args.resume_from_checkpoint = f"{tmp_path}/checkpoint-2"
     torch.manual_seed(2)
-    assert common.maybe_resume(args, model2, optimizer2, scheduler2) == 2
+    assert checkpoints.maybe_resume(args, model2, optimizer2, scheduler2) == 2
     train(model2, optimizer2, scheduler2, range(2, 4))
     assert all(v.dtype == torch.float32 for s in optimizer2.state.values() for k, v in s.items()
                if torch.is_tensor(v) and v.is_floating_point() and k not in ("absmax1", "absmax2", "qmap1", "qmap2"))
@@ -268,12 +270,12 @@ def test_resume_checks_itself(tmp_path, tiny_qwen):
     for _ in range(4):
         optimizer.step()
         scheduler.step()
-    common.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-4", common.training_state(4, optimizer, scheduler))
+    checkpoints.save_checkpoint(model, None, args, f"{tmp_path}/checkpoint-4", checkpoints.training_state(4, optimizer, scheduler))
 
     def error(**changes):
         with pytest.raises(SystemExit) as e:
             new, optimizer, scheduler = fresh(**changes)
-            common.maybe_resume(new, model, optimizer, scheduler)
+            checkpoints.maybe_resume(new, model, optimizer, scheduler)
         return str(e.value)
 
     assert "--batch_size 8 differs from the 4 that" in error(batch_size=8) and "--resume_allow_changes" in error(batch_size=8)
@@ -289,10 +291,10 @@ def test_resume_checks_itself(tmp_path, tiny_qwen):
     with open(f"{tmp_path}/checkpoint-4/args.json", "w") as f:
         json.dump(saved, f)
     new, optimizer2, scheduler2 = fresh(batch_size=8, resume_allow_changes=True)
-    assert common.maybe_resume(new, model, optimizer2, scheduler2) == 4
+    assert checkpoints.maybe_resume(new, model, optimizer2, scheduler2) == 4
     # the advice after a NaN: resume with a lower --learning_rate; lr(t) = new_lr * schedule(t), t kept
     new, optimizer2, scheduler2 = fresh(learning_rate=1e-3)
-    assert common.maybe_resume(new, model, optimizer2, scheduler2) == 4
+    assert checkpoints.maybe_resume(new, model, optimizer2, scheduler2) == 4
     assert scheduler2.get_last_lr()[0] == pytest.approx(1e-3 * 6 / 10) == optimizer2.param_groups[0]["lr"]
     optimizer2.step()
     scheduler2.step()
@@ -301,6 +303,6 @@ def test_resume_checks_itself(tmp_path, tiny_qwen):
     # metrics.jsonl torn by a kill during a write: the partial last line is dropped, not a JSONDecodeError
     with open(f"{tmp_path}/metrics.jsonl", "w") as f:
         f.write('{"step": 3}\n{"step": 4}\n{"step": 5, "lo')
-    common.MetricsLogger(args, start_step=4)
+    tracking.MetricsLogger(args, start_step=4)
     assert [r["step"] for r in _metrics(str(tmp_path))] == [3, 4]
-    common._LOCK.close()
+    checkpoints._LOCK.close()

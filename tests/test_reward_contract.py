@@ -10,6 +10,7 @@ import torch
 from conftest import CHAT_TEMPLATE
 
 import common
+import data
 import dpo
 import eval as ev
 import grpo
@@ -47,7 +48,7 @@ def test_every_script_scores_a_completion_alike(tmp_path):
 
     # a text prompt and a conversational one; the completions as the policy's generate + decode give them
     prompts = ["POST: alice bought the bike .\nTL;DR:", [{"role": "user", "content": "POST: bob lost the phone ."}]]
-    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", "bob lost phone ."])
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", "bob lost phone ."])
     texts = sampling.decode_completions(tok, c_ids, c_mask, torch.tensor([False, False]))
     assert texts == ["alice bought bike .", "bob lost phone ."]  # no EOS, no space added, nothing stripped
     columns = {"post": ["alice bought the bike .", "bob lost the phone ."]}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import data
 import sampling
 import world
 
@@ -28,8 +29,8 @@ def test_completion_logprobs_match_full_softmax(chunk_tokens):
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     prompts = ["POST: alice bought the bike .\nTL;DR:", "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"]
-    p_ids, p_mask = common.encode_prompts(tok, prompts)
-    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " bob lost phone . nobody knows"])
+    p_ids, p_mask = data.encode_prompts(tok, prompts)
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " bob lost phone . nobody knows"])
     assert p_mask[0, 0] == 0 and c_mask[0, -1] == 0  # left- and right-padding are both exercised
     lp, ent = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7,
                                          with_entropy=True, chunk_tokens=chunk_tokens)
@@ -54,8 +55,8 @@ def test_shared_prompts_match_repeated_prompts(checkpointing):
         common.enable_checkpointing(model)
     model.train()
     prompts = ["POST: alice bought the bike .\nTL;DR:", "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"]
-    p_ids, p_mask = common.encode_prompts(tok, prompts)
-    c_ids, c_mask = common.encode_completions(tok, [" alice bought bike .", " alice .", " bob lost phone . nobody knows",
+    p_ids, p_mask = data.encode_prompts(tok, prompts)
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " alice .", " bob lost phone . nobody knows",
                                                     " bob ."])  # rows 0, 1 continue prompt 0; rows 2, 3 prompt 1
     weight = model.model.layers[0].self_attn.k_proj.weight
     lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=0.7)
@@ -70,7 +71,7 @@ def test_shared_prompts_match_repeated_prompts(checkpointing):
 def test_generate_greedy_matches_hf_generate():
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
-    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:",
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:",
                                             "POST: i think bob lost the red phone . we had a lot of fun .\nTL;DR:"])
     c, cm, _ = sampling.generate(model, tok, ids, mask, max_new_tokens=8, do_sample=False, num_return_sequences=3)
     hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
@@ -97,7 +98,7 @@ def test_generate_masks_after_eos_and_flags_truncation():
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     with torch.no_grad():  # make EOS likely after a couple of tokens but not certain
         model.lm_head.weight[tok.eos_token_id] *= 0
-    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"] * 16)
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"] * 16)
     torch.manual_seed(0)
     c, cm, truncated = sampling.generate(model, tok, ids, mask, max_new_tokens=6, temperature=1.0)
     for row, m, tr in zip(c.tolist(), cm.tolist(), truncated.tolist()):
@@ -150,8 +151,8 @@ def test_stop_token_ids_are_the_union_of_eos_and_the_generation_config():
 def test_a_completion_ending_in_a_stop_token_gets_no_extra_eos():
     tok = world.build_tokenizer()
     stop = tok.convert_tokens_to_ids("<|assistant|>")  # stands for an end-of-turn token such as <|eot_id|>
-    ids, mask = common.encode_completions(tok, [" alice . <|assistant|>", " alice ."], stop_ids=[tok.eos_token_id, stop])
+    ids, mask = data.encode_completions(tok, [" alice . <|assistant|>", " alice ."], stop_ids=[tok.eos_token_id, stop])
     assert ids[0, :3].tolist() == [tok.convert_tokens_to_ids("alice"), tok.convert_tokens_to_ids("."), stop]
     assert mask.sum(1).tolist() == [3, 3] and ids[1, 2] == tok.eos_token_id
-    ids, mask = common.encode_completions(tok, [" alice . <|assistant|>"])  # EOS alone stops: EOS is added
+    ids, mask = data.encode_completions(tok, [" alice . <|assistant|>"])  # EOS alone stops: EOS is added
     assert ids[0].tolist()[-2:] == [stop, tok.eos_token_id]

@@ -10,6 +10,7 @@ import torch
 from conftest import run_script
 
 import common
+import data
 import sampling
 import scratch
 import world
@@ -48,7 +49,7 @@ def test_char_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path, arith):
     assert len(ids) == len(texts[-1])  # one token per character
     assert auto.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == texts[-1]
     # completions as the scripts encode and decode them
-    c_ids, c_mask = common.encode_completions(auto, [arith["test"][0]["reference"]])
+    c_ids, c_mask = data.encode_completions(auto, [arith["test"][0]["reference"]])
     assert sampling.decode_completions(auto, c_ids, c_mask, torch.tensor([False])) == [arith["test"][0]["reference"]]
 
 
@@ -75,8 +76,8 @@ def test_saved_model_reloads_with_the_same_logprobs(tmp_path, arith):
     rows = arith["sft"].select(range(4))
 
     def logprobs(m, t):
-        p_ids, p_mask = common.encode_prompts(t, rows["prompt"])
-        c_ids, c_mask = common.encode_completions(t, rows["completion"])
+        p_ids, p_mask = data.encode_prompts(t, rows["prompt"])
+        c_ids, c_mask = data.encode_completions(t, rows["completion"])
         with torch.no_grad():
             return sampling.completion_logprobs(m, p_ids, p_mask, c_ids, c_mask)
 

@@ -15,9 +15,12 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, run_script
 
+import checkpoints
 import common
+import data
 import grpo
 import sampling
+import tracking
 import world
 
 
@@ -38,7 +41,7 @@ def test_min_p_and_repetition_penalty_filter_the_logits():
 def test_knobs_reach_generate():
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
-    ids, mask = common.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
     greedy, gm, _ = sampling.generate(model, tok, ids, mask, 12, do_sample=False)
     args = SimpleNamespace(top_p=1.0, top_k=1, min_p=0.0, repetition_penalty=1.0)
     top1, _, _ = sampling.generate(model, tok, ids, mask, 12, **common.sampling_kwargs(args))  # top_k 1 == greedy
@@ -137,25 +140,25 @@ def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path):
             u("so ?"), a("nice .")]
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"prompt": "POST: x", "completion": " bike ."}) + "\n")
-    ds = common.load_data(str(path)).select([0])
-    (prompt, completion), = common.sft_pairs(ds, str(path))
+    ds = data.load_data(str(path)).select([0])
+    (prompt, completion), = data.sft_pairs(ds, str(path))
     assert prompt == msgs[:1] and completion == msgs[1:]
-    turns = common.render_turns(tok, prompt, completion)
-    assert "".join(t for t, _ in turns) == common.render_completion(tok, prompt, completion)
-    ids, mask, loss_mask = common.encode_turns(tok, [turns, [(" bike .", True)]])
+    turns = data.render_turns(tok, prompt, completion)
+    assert "".join(t for t, _ in turns) == data.render_completion(tok, prompt, completion)
+    ids, mask, loss_mask = data.encode_turns(tok, [turns, [(" bike .", True)]])
     trained = [tok.convert_ids_to_tokens(t) for t, k in zip(ids[0].tolist(), loss_mask[0].tolist()) if k]
     masked = [tok.convert_ids_to_tokens(t) for t, m, k in zip(ids[0].tolist(), mask[0].tolist(), loss_mask[0].tolist())
               if m and not k]
     assert trained == "alice bought bike . <eos> bob lost phone . <eos> nice . <eos>".split()
     assert masked == "<|user|> what did bob do ? <|assistant|> <|user|> so ? <|assistant|>".split()
     # prompt + completion rows: every completion token (and EOS) is trained, as before
-    plain_ids, plain_mask = common.encode_completions(tok, [" bike ."])
+    plain_ids, plain_mask = data.encode_completions(tok, [" bike ."])
     assert torch.equal(ids[1, :plain_ids.shape[1]], plain_ids[0]) and torch.equal(loss_mask[1, :plain_ids.shape[1]], plain_mask[0])
 
 
 # ------------------------------------------------------------------ logging
 def test_logged_values_are_window_means_and_num_tokens_is_cumulative(tmp_path):
-    logger = common.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), report_to="none"))
+    logger = tracking.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), report_to="none"))
     for step, (loss, n) in enumerate([(1.0, 10), (2.0, 20), (6.0, 30), (4.0, 5)], 1):
         logger.update({"loss": torch.tensor(loss), **({"ties": 2} if step == 2 else {})}, num_tokens=n)
         if step % 3 == 0 or step == 4:
@@ -166,7 +169,7 @@ def test_logged_values_are_window_means_and_num_tokens_is_cumulative(tmp_path):
     assert lines[1] == {"step": 4, "loss": 4.0, "learning_rate": 0.1, "num_tokens": 65}
     assert lines[2] == {"step": 4, "eval_loss": 0.5}
     # a resumed run continues the count from the lines it keeps
-    resumed = common.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), report_to="none"), start_step=3)
+    resumed = tracking.MetricsLogger(SimpleNamespace(output_dir=str(tmp_path), report_to="none"), start_step=3)
     resumed.update({"loss": 1.0}, num_tokens=7)
     resumed.log(4)
     assert [json.loads(x)["num_tokens"] for x in open(tmp_path / "metrics.jsonl")] == [60, 67]
@@ -199,8 +202,8 @@ def test_small_knobs(monkeypatch, tmp_path, capsys):
     assert common.CHAT_TEMPLATE_KWARGS == {"enable_thinking": False}
     tok = world.build_tokenizer()
     tok.chat_template = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + CHAT_TEMPLATE
-    assert common.render_prompt(tok, [{"role": "user", "content": "x"}]).startswith("NOTHINK ")
-    common.set_max_steps(args, 10, 4)  # ceil(2.5 * 10 / 4)
+    assert data.render_prompt(tok, [{"role": "user", "content": "x"}]).startswith("NOTHINK ")
+    data.set_max_steps(args, 10, 4)  # ceil(2.5 * 10 / 4)
     assert args.max_steps == 7
     with pytest.raises(SystemExit, match="not valid JSON"):
         _parse(monkeypatch, sft.Args, "--chat_template_kwargs", "{enable_thinking: false}")
@@ -210,7 +213,7 @@ def test_small_knobs(monkeypatch, tmp_path, capsys):
     # --save_total_limit: the newest ones stay
     for step in (5, 10, 15):
         os.makedirs(tmp_path / f"checkpoint-{step}")
-    common.delete_old_checkpoints(str(tmp_path), 2)
+    checkpoints.delete_old_checkpoints(str(tmp_path), 2)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-15"]
     # eval.py's flags are its own: no training flags; empty defaults print no "(default: )"
     names = set(eval_script.Args.__dataclass_fields__)

@@ -1,0 +1,379 @@
+"""A run's output folder: protection (another run's model or checkpoints need --resume or
+--overwrite_output_dir; a lock refuses a second live run), atomic checkpoints and final saves
+(write aside, then swap; never a NaN weight), and a resume that restores weights, optimizer,
+scheduler and RNG exactly and checks that the new arguments keep the run equivalent.
+"""
+
+import contextlib
+import json
+import os
+import random
+import shutil
+
+import torch
+
+import common
+import lora
+import parallel
+
+
+_LOCK = None  # the open <output_dir>/.lock of this process, held until it exits
+
+
+def claim_output_dir(args):
+    """Lock --output_dir for this run (a second live run there is refused; the OS releases the lock
+    when the process exits, also after a crash), then clear what a previous run leaves behind: its
+    summary.json (written after the model, so one is never stale), and with --overwrite_output_dir
+    (not resuming) its checkpoints and final model, so that a later --resume never continues
+    another run and a crash never leaves the old model looking current."""
+    import fcntl
+
+    global _LOCK
+    os.makedirs(args.output_dir, exist_ok=True)
+    lock = open(os.path.join(args.output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        common.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it to end "
+             "or pass another --output_dir.")
+    lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
+    _LOCK = lock
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(args.output_dir, "summary.json"))
+    if args.overwrite_output_dir and not (args.resume or args.resume_from_checkpoint):
+        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"
+               or n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]  # its final model
+        for name in old:
+            path = os.path.join(args.output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if old:
+            print(f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(old))} from {args.output_dir}.")
+
+
+def check_output_dir(args):
+    """Before anything loads: --output_dir must not be the model it starts from, and a folder that
+    holds another run's model or checkpoints needs --resume or --overwrite_output_dir."""
+    model = getattr(args, "model", "")
+    if model and os.path.exists(model) and os.path.realpath(model) == os.path.realpath(args.output_dir):
+        common.fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
+             "from; pass another --output_dir.")
+    if (args.resume or args.resume_from_checkpoint or args.overwrite_output_dir or args.estimate_memory
+            or not os.path.isdir(args.output_dir)):
+        return
+    held = sorted(n for n in os.listdir(args.output_dir)
+                  if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
+    if held:
+        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok)
+        common.fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
+             "to replace it, or another --output_dir.")
+
+
+def save_checkpoint(model, tokenizer, args, folder, state=None):
+    """save_pretrained of model and tokenizer plus args.json (and `state`, e.g. optimizer and
+    step, as trainer_state.pt), written to a temporary folder and renamed into place, so a crash
+    never leaves half a checkpoint. Under torchrun: call on every rank; rank 0 writes."""
+    state_dict = parallel.full_state_dict(model) if parallel.is_sharded(model) else None  # FSDP2: gather (collective)
+    if parallel.is_main():
+        # never write a NaN/inf weight: --resume would pick it up as the newest good checkpoint
+        models = {"": state_dict if state_dict is not None else model.state_dict(),
+                  **{f"{k}.": v for k, v in (state or {}).items()
+                     if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())}}  # e.g. critic
+        for prefix, tensors in models.items():
+            if (bad := common.nonfinite_tensor(tensors)) is not None:
+                common.fail(f"the weight {prefix}{bad} holds NaN/inf; not saving {folder}. The checkpoints saved so far are "
+                     "kept: rerun with --resume to continue from the last one with a lower --learning_rate.")
+        _save_folder(model, tokenizer, args, folder, state, state_dict)
+        if getattr(args, "save_total_limit", 0):
+            delete_old_checkpoints(args.output_dir, args.save_total_limit)
+    parallel.barrier()
+
+
+def delete_old_checkpoints(output_dir, limit):
+    """--save_total_limit: keep the newest `limit` complete checkpoint-<step> folders, after a
+    successful save (so a crash while saving never leaves fewer than `limit` whole ones)."""
+    import re
+
+    steps = sorted(int(m.group(1)) for n in os.listdir(output_dir) if (m := re.fullmatch(r"checkpoint-(\d+)", n)))
+    for step in steps[:-limit]:
+        shutil.rmtree(os.path.join(output_dir, f"checkpoint-{step}"))
+
+
+def _save_folder(model, tokenizer, args, folder, state, state_dict):
+    tmp = folder.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if os.environ.get("RLHF_TEST_CRASH_WHILE_SAVING") == os.path.basename(folder.rstrip("/")):
+        os.kill(os.getpid(), 9)  # test hook (tests/test_resume.py): SIGKILL with this checkpoint half-written
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "args.json"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    if state is not None:
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    old = folder.rstrip("/") + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(folder):
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_final(model, tokenizer, args):
+    """The final model in <output_dir>/ (where metrics.jsonl and checkpoints also live): saved
+    to a temporary folder, then moved in file by file with config.json last, so a crash never
+    leaves a loadable half-model.
+
+    With --use_peft: the adapters go to <output_dir>/adapter/ (small, to share or to resume
+    from), and with --merge_adapters (the default) the merged model to <output_dir>/, so every
+    consumer of a run's output (eval.py, the next stage's --model, vLLM, lm-eval) reads a plain
+    transformers model there, as after full fine-tuning."""
+    out = args.output_dir
+    if lora.is_peft(model):
+        save_checkpoint(model, tokenizer, args, os.path.join(out, "adapter"))
+        if not args.merge_adapters:
+            return
+        model = lora.merged_model(model, args) if parallel.is_main() else model
+    tmp = os.path.join(out, "final.tmp")
+    save_checkpoint(model, tokenizer, args, tmp)
+    if not parallel.is_main():
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, "config.json"))
+    names = sorted(os.listdir(tmp), key=lambda n: n == "config.json")
+    for name in names:
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    os.rmdir(tmp)
+
+
+def write_json(path, obj):
+    """Write JSON atomically (temporary file, then rename); under torchrun, rank 0 only."""
+    if not parallel.is_main():
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def load_weights(model, folder):
+    """Copy a checkpoint's safetensors weights into `model` in place (FSDP2 shards included).
+    Tied weights (e.g. a head sharing the embedding) may be absent from the files."""
+    from glob import glob
+
+    from safetensors.torch import load_file
+
+    loaded = {}
+    for path in sorted(glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            loaded.update(load_file(path))
+        except Exception as e:  # noqa: BLE001 -- a torn or corrupt file: name it, offer the earlier checkpoint
+            common.fail(f"{path} cannot be read ({type(e).__name__}: {e}).{_earlier_checkpoints(folder)}")
+    if not loaded:
+        common.fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    if (bad := common.nonfinite_tensor(loaded)) is not None:
+        common.fail(f"{folder}: the weight {bad} holds NaN/inf; refusing to resume from it.{_earlier_checkpoints(folder)}")
+    if lora.is_peft(model):  # adapters (and a trained score head), saved under peft's names
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, loaded)
+        if result.unexpected_keys or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            common.fail(f"{folder} does not hold this run's adapters; resume with the same --model, --use_peft and "
+                 "--lora_* flags as the run that wrote it.")
+        return
+    copy_weights(model, loaded, folder)
+
+
+def copy_weights(model, loaded, source):
+    """Copy a {name: full tensor} state dict into `model` in place (FSDP2 shards included)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = model.state_dict()
+    unexpected = sorted(set(loaded) - set(params))
+    if unexpected:
+        common.fail(f"{source} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
+             "resume with the same --model and sizes as the run that wrote it.")
+    with torch.no_grad():
+        for name, src in loaded.items():
+            dst = params[name]
+            if parallel.is_sharded_param(dst):
+                src = distribute_tensor(src.to(dst.device, dst.dtype), dst.device_mesh, dst.placements)
+            dst.copy_(src)
+
+
+def rng_state():
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def training_state(step, optimizer, scheduler, **stateful):
+    """Everything besides the weights that a resumed run needs, for save_checkpoint's `state`:
+    the step (which is also the position in the data: batch_indices is stateless), the
+    optimizer (8-bit states included; FSDP2 shards gathered), the scheduler, every rank's RNG
+    states, and the state_dict() of any further `stateful` object (e.g. value_optimizer=...).
+    A collective under torchrun: call it on every rank."""
+    rngs = [rng_state()]
+    if parallel.world_size() > 1:
+        rngs = [None] * parallel.world_size()
+        torch.distributed.all_gather_object(rngs, rng_state())
+    optim = optimizer.state_dict()  # its per-parameter dicts are the live state: copy, never edit them
+    optim["state"] = {i: {k: v.full_tensor().cpu() if parallel.is_sharded_param(v) else v for k, v in s.items()}
+                      for i, s in optim["state"].items()}
+    # FSDP2 trains bf16 layers as fp32 shards, and the saved model is rounded to bf16: keep the
+    # fp32 weights the run trains, so a resumed run continues from them
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    masters = [p.detach().full_tensor().cpu() if parallel.is_sharded_param(p) else None for p in params]
+    return {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
+            **({"master_weights": masters} if any(m is not None for m in masters) else {}),
+            **{name: adapter_state(obj) if lora.is_peft(obj) else parallel.full_state_dict(obj)
+               if isinstance(obj, torch.nn.Module) else obj.state_dict()
+               for name, obj in stateful.items()}}  # a model's FSDP2 shards gathered
+
+
+def adapter_state(model):
+    """What a peft model trains (adapters, a score head), under peft's names: all a checkpoint needs."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def checkpoints(output_dir):
+    """The complete <output_dir>/checkpoint-<step> folders (renamed into place only when whole), oldest first."""
+    import re
+
+    steps = [int(m.group(1)) for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+             if (m := re.fullmatch(r"checkpoint-(\d+)", n)) and os.path.isfile(os.path.join(output_dir, n, "trainer_state.pt"))]
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
+
+
+def last_checkpoint(output_dir):
+    """The newest complete <output_dir>/checkpoint-<step>, or None."""
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _earlier_checkpoints(folder):
+    """A sentence offering the checkpoints older than `folder`, for error messages."""
+    import re
+
+    folder = os.path.normpath(folder)
+    m = re.search(r"checkpoint-(\d+)$", folder)
+    older = [c for c in checkpoints(os.path.dirname(folder))
+             if os.path.normpath(c) != folder and (m is None or int(c.rsplit("-", 1)[1]) < int(m.group(1)))]
+    if not older:
+        return " No earlier checkpoint is left; start again without --resume (with --overwrite_output_dir)."
+    return (f" Resume from the previous one with --resume_from_checkpoint {older[-1]}"
+            + (f" (earlier: {', '.join(older[:-1])})." if older[:-1] else "."))
+
+
+# flags that may change when resuming: they change no example, sample or update of the steps to come
+# (--learning_rate and --max_grad_norm are the advice of check_finite; see maybe_resume)
+RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_output_dir", "resume_allow_changes",
+               "max_steps", "logging_steps", "save_steps", "eval_steps", "report_to", "eval_batch_size",
+               "estimate_memory", "gradient_checkpointing", "attn_implementation", "parallel", "offload_frozen",
+               "learning_rate", "max_grad_norm"}
+
+
+def check_resume_args(args, folder, step):
+    """Refuse a resume whose arguments differ from the checkpoint's args.json in a way that breaks
+    "ends where an uninterrupted run ends" (data, batch sizes, seed, model, rewards, optimizer,
+    algorithm), naming the flag and both values, unless --resume_allow_changes."""
+    path = os.path.join(folder, "args.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        common.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
+    if args.max_steps < step:
+        common.fail(f"--max_steps {args.max_steps} is below the step of {folder} ({step}): pass --max_steps >= {step}, "
+             "or take the checkpoint as it is (eval.py reads it).")
+    ours = vars(args)
+    if set(saved) - set(ours) and not getattr(args, "resume_allow_changes", False):
+        common.fail(f"{folder} was written by another script (its args.json has {', '.join(sorted(set(saved) - set(ours))[:3])}, "
+             f"which {common.script_name()}.py has not); resume it with that script.")
+    changed = [k for k in ours if k in saved and k not in RESUME_FREE and saved[k] != ours[k]]
+    if changed and not getattr(args, "resume_allow_changes", False):
+        k = changed[0]
+        common.fail(f"--{k} {ours[k]!r} differs from the {saved[k]!r} that {folder} was trained with"
+             + (f" (also: {', '.join('--' + c for c in changed[1:])})" if changed[1:] else "")
+             + "; the resumed run would not end where the interrupted one would. Pass the same value, or add "
+             "--resume_allow_changes to continue anyway.")
+    for k in changed:
+        print(f"resume: --{k} {ours[k]!r} replaces {saved[k]!r} (--resume_allow_changes).")
+    if saved.get("max_steps", args.max_steps) != args.max_steps:
+        print(f"resume: --max_steps {args.max_steps} replaces {saved['max_steps']}; a decaying --lr_scheduler_type "
+              "stretches to the new length from the current step.")
+    return saved
+
+
+def maybe_resume(args, model, optimizer, scheduler, **stateful):
+    """With --resume (newest checkpoint in --output_dir) or --resume_from_checkpoint PATH: load
+    the weights, optimizer, scheduler, RNG states (and each `stateful` object's state) saved by
+    save_checkpoint(..., training_state(...)) and return the step to continue from; else 0.
+    Call after distribute() and make_optimizer/make_scheduler."""
+    from torch.distributed.tensor import distribute_tensor
+
+    folder = args.resume_from_checkpoint or (last_checkpoint(args.output_dir) if args.resume else "")
+    if not folder:
+        if args.resume:
+            print(f"resume: no checkpoint in {args.output_dir} yet; starting from step 0.")
+        return 0
+    try:
+        state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
+        common.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+    saved = check_resume_args(args, folder, state["step"])
+    load_weights(model, folder)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, s in state["optimizer"]["state"].items():  # FSDP2: re-shard full states like their parameter
+        for k, v in s.items():
+            if parallel.is_sharded_param(params[i]) and torch.is_tensor(v) and v.shape == params[i].shape:
+                s[k] = distribute_tensor(v.to(params[i].device), params[i].device_mesh, params[i].placements)
+    optimizer.load_state_dict(state["optimizer"])
+    # load_state_dict casts floating-point states to their parameter's dtype (fp32 moments of bf16
+    # weights to bf16, which optimizer_step cannot step): give them back the dtype they were saved in
+    for i, s in state["optimizer"]["state"].items():
+        live = optimizer.state[params[i]]
+        for k, v in s.items():
+            if torch.is_tensor(v) and torch.is_tensor(live.get(k)) and live[k].dtype != v.dtype:
+                live[k] = v.to(live[k].device)
+    scheduler.load_state_dict(state["scheduler"])
+    if saved.get("learning_rate", args.learning_rate) != args.learning_rate:
+        # a new peak lr (e.g. after a NaN): the schedule keeps its step and shape, scaled to the new peak,
+        # i.e. lr(t) = new_lr * schedule(t); without this the restored scheduler would keep the old peak
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] *= args.learning_rate / base
+            group["initial_lr"] = args.learning_rate
+        scheduler.base_lrs = [args.learning_rate] * len(scheduler.base_lrs)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        print(f"resume: --learning_rate {args.learning_rate:g} replaces {saved['learning_rate']:g}; the schedule "
+              f"continues from step {state['step']}, scaled to the new peak.")
+    for name, obj in stateful.items():
+        if lora.is_peft(obj):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(obj, state[name])
+        elif isinstance(obj, torch.nn.Module):  # e.g. ppo.py's critic (FSDP2: re-sharded)
+            copy_weights(obj, state[name], folder)
+        else:
+            obj.load_state_dict(state[name])
+    for p, master in zip(params, state.get("master_weights", [])):  # FSDP2: the fp32 shards, unrounded
+        if master is not None:
+            with torch.no_grad():
+                p.copy_(distribute_tensor(master.to(p.device, p.dtype), p.device_mesh, p.placements))
+    if len(state["rng"]) == parallel.world_size():
+        set_rng_state(state["rng"][parallel.rank()])
+    else:  # a different number of ranks: sampling cannot replay exactly, the data order still does
+        print(f"resume: {folder} was written by {len(state['rng'])} ranks, this run has {parallel.world_size()}; "
+              "random states are re-seeded, so sampling will differ from an uninterrupted run.")
+        common.set_seed(args.seed + parallel.rank() + state["step"])
+    print(f"resume: continuing from {folder} at step {state['step']}.")
+    return state["step"]

@@ -1,0 +1,344 @@
+"""Data and tokenisation: a --dataset in TRL's formats (prompt+completion, messages, preference
+pairs standard or conversational, prompt-only with extra columns) read from the Hub, a file or a
+folder and checked row by row; prompts and completions rendered through the chat template and
+encoded (prompts left-padded, completions right-padded and ending with a stop token); the
+stateless batch order that makes a resumed run see the data an uninterrupted one sees.
+"""
+
+import json
+import math
+import os
+
+import torch
+
+import common
+
+
+def load_data(spec, split="train"):
+    """A `datasets.Dataset` from a Hub name, a local .jsonl/.json/.parquet file, or a folder.
+
+    JSONL is checked line by line first, so a malformed row names its file and line.
+    """
+    from datasets import load_dataset
+
+    if os.path.isfile(spec):
+        ext = os.path.splitext(spec)[1].lower()
+        if ext in (".jsonl", ".json"):
+            if ext == ".jsonl":
+                check_jsonl(spec)
+            return load_dataset("json", data_files=spec, split="train")
+        if ext == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(spec).metadata.num_rows
+            except Exception as e:  # noqa: BLE001 -- not parquet at all
+                common.fail(f"{spec} is not a readable parquet file ({type(e).__name__}: {e}).")
+            if rows == 0:
+                common.fail(f"{spec} has no rows.")
+            return load_dataset("parquet", data_files=spec, split="train")
+        common.fail(f"{spec}: unsupported file type {ext!r}; use .jsonl, .json or .parquet.")
+    if spec.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(spec):
+        common.fail(f"dataset file {spec} does not exist.")
+    if os.path.isdir(spec):  # a folder of data files: each JSONL file is checked line by line too
+        for root, _, names in os.walk(spec):
+            for n in sorted(names):
+                if n.endswith(".jsonl"):
+                    check_jsonl(os.path.join(root, n))
+    elif not os.path.exists(spec) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
+        common._check_hub_id(spec, "dataset")
+    else:
+        common.fail(f"dataset {spec} does not exist.")
+    try:
+        ds = load_dataset(spec, split=split)
+    except ValueError as e:  # e.g. an unknown split
+        common.fail(f"dataset {spec}: {str(e)[:300]}")
+    if len(ds) == 0:
+        common.fail(f"dataset {spec} (split {split}) has no rows.")
+    return ds
+
+
+def training_data(args, world_split):
+    """The script's --dataset: on the embedded world its `world_split` split (sft, prefs or rl),
+    otherwise load_data(--dataset, --dataset_split)."""
+    if args.dataset == common.EMBEDDED:
+        return common.embedded_world(args.seed)[world_split]
+    if args.dataset.startswith(common.ARITH):
+        return common.arith_split(args.dataset, world_split, args.seed)
+    return load_data(args.dataset, args.dataset_split)
+
+
+def set_max_steps(args, num_examples, examples_per_step):
+    """--num_train_epochs E (TRL's): max_steps = ceil(E * examples / examples per optimizer step)."""
+    if args.num_train_epochs:
+        args.max_steps = max(1, math.ceil(args.num_train_epochs * num_examples / examples_per_step))
+        print(f"{common.script_name()}: --num_train_epochs {args.num_train_epochs:g} over {num_examples} examples, "
+              f"{examples_per_step} per step: {args.max_steps} steps")
+
+
+def eval_data(args):
+    """--eval_dataset (a file, or a Hub name's 'test' split), or None when not given."""
+    return load_data(args.eval_dataset, "test") if args.eval_dataset else None
+
+
+def check_jsonl(path):
+    rows = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                common.fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                common.fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
+            if not isinstance(row, dict):
+                common.fail(f"{path}, line {n}: each line must be a JSON object, got {type(row).__name__}.")
+            rows += 1
+    if rows == 0:
+        common.fail(f"{path} is empty (no JSON rows, only blank lines or nothing).")
+
+
+def dataset_name(spec):
+    return "the embedded world" if spec == common.EMBEDDED else spec
+
+
+def require_columns(ds, columns, spec, hint=""):
+    """Stop with a message naming the missing column and the dataset."""
+    for col in columns:
+        if col not in ds.column_names:
+            common.fail(f"{dataset_name(spec)} has no column {col!r} (columns: {', '.join(ds.column_names)}). {hint}".strip())
+    if len(ds) == 0:
+        common.fail(f"{dataset_name(spec)} is empty.")
+
+
+def is_conversational(value):
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def check_text(ds, columns, spec):
+    """Every value of these columns is a non-empty string or a list of {role, content} messages."""
+    for col in columns:
+        for i, v in enumerate(ds[col]):
+            # a conversation's last message is the response (or the prompt's question): empty is an error too
+            if is_conversational(v) and v and not str(v[-1]["content"]).strip():
+                common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                     "response would train on the end-of-turn token alone. Remove the row or fill it.")
+            if not ((isinstance(v, str) and v.strip()) or (is_conversational(v) and v)):
+                common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
+                     f"{{role, content}} messages, got {str(v)[:80]!r}.")
+
+
+def check_readable(tokenizer, texts, model, spec, rows=16):
+    """Stop when most tokens of the first `rows` texts are the tokenizer's unknown token: the
+    data is in words this tokenizer cannot read (typically --dataset without --model, which
+    trains the embedded world's word-level policy on it)."""
+    unk = tokenizer.unk_token_id
+    ids = [i for t in texts[:rows] for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
+    if unk is None or not ids:
+        return
+    n_unk = sum(i == unk for i in ids)
+    if n_unk > len(ids) / 2:
+        common.fail(f"{n_unk} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown ({tokenizer.unk_token}) "
+             f"to the tokenizer of {model or 'the from-scratch model'} ({type(tokenizer).__name__}, {len(tokenizer)} tokens): "
+             "it cannot read this text. --model is probably missing: pass the Hub id or folder of a model whose "
+             "tokenizer reads it (the default runs/sft is the embedded world's word-level policy).")
+
+
+def render_prompt(tokenizer, prompt):
+    """Prompt text: plain strings as they are; conversations through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if not tokenizer.chat_template:
+        common.fail("conversational data needs a tokenizer with a chat template; this one has none.")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **common.CHAT_TEMPLATE_KWARGS)
+
+
+def render_completion(tokenizer, prompt, completion):
+    """Completion text: plain strings as they are; assistant messages as the chat template
+    writes them after the prompt (so the end-of-turn token is trained on)."""
+    if isinstance(completion, str):
+        return completion
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **common.CHAT_TEMPLATE_KWARGS)
+    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False, **common.CHAT_TEMPLATE_KWARGS)
+    if not full.startswith(head):
+        common.fail("the chat template does not render the prompt as a prefix of prompt + completion; "
+             "pass prompt/completion as plain strings instead.")
+    return full[len(head):]
+
+
+def render_turns(tokenizer, prompt, completion):
+    """The completion as [(text, trained), ...] segments after the rendered prompt (TRL's
+    assistant_only_loss): a string is one trained segment; messages alternate trained assistant
+    turns (as the chat template writes them, end-of-turn token included) and masked others
+    (user/tool turns and the next generation prompt). Joined, the texts are render_completion's."""
+    if isinstance(completion, str):
+        return [(completion, True)]
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    msgs = prompt + completion
+
+    def upto(k, gen):  # the conversation's first k messages, rendered
+        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **common.CHAT_TEMPLATE_KWARGS)
+
+    segments, done = [], upto(len(prompt), True)
+    for k in range(len(prompt), len(msgs)):
+        is_assistant = msgs[k]["role"] == "assistant"
+        # after an assistant turn, the text up to the next generation prompt (if one follows) is masked
+        nxt = upto(k + 1, not is_assistant and k + 1 < len(msgs) and msgs[k + 1]["role"] == "assistant")
+        if not nxt.startswith(done):
+            common.fail("the chat template does not render each turn as a prefix of the next; pass prompt/completion "
+                 "as plain strings instead.")
+        if len(nxt) > len(done):
+            segments.append((nxt[len(done):], is_assistant))
+        done = nxt
+    return segments
+
+
+def sft_pairs(ds, spec):
+    """(prompt, completion) pairs from TRL's SFT formats: prompt+completion, or messages (the
+    prompt is everything before the first assistant turn, the completion the rest: every
+    assistant turn is trained, the turns between them masked; see render_turns)."""
+    if "messages" in ds.column_names:
+        check_text(ds, ["messages"], spec)
+        pairs = []
+        for i, msgs in enumerate(ds["messages"]):
+            first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), 0) if is_conversational(msgs) else 0
+            if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
+                common.fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
+                     "at least one other turn before its first assistant turn.")
+            if not str(msgs[-1]["content"]).strip():
+                common.fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
+                     "an empty response would train on the end-of-turn token alone. Remove the row or fill it.")
+            pairs.append((msgs[:first], msgs[first:]))
+        return pairs
+    if "text" in ds.column_names and "completion" not in ds.column_names:
+        common.fail(f"{dataset_name(spec)} is in the language-modelling format (a 'text' column); this project trains on "
+             "prompt+completion or messages, so split each row into 'prompt' and 'completion'.")
+    require_columns(ds, ["prompt", "completion"], spec, "Expected prompt+completion or messages.")
+    check_text(ds, ["prompt", "completion"], spec)
+    return list(zip(ds["prompt"], ds["completion"]))
+
+
+def preference_triples(ds, spec):
+    """(prompt, chosen, rejected) from TRL's preference formats, standard or conversational;
+    without a prompt column, the prompt is the shared conversation before the last turn."""
+    require_columns(ds, ["chosen", "rejected"], spec, "Preference data needs prompt + chosen + rejected.")
+    if "prompt" not in ds.column_names:
+        triples = []
+        for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
+            if not (is_conversational(c) and is_conversational(r) and c[:-1] == r[:-1] and len(c) > 1):
+                common.fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
+                     "conversations that differ only in the last turn.")
+            for col, v in (("chosen", c), ("rejected", r)):
+                if not str(v[-1]["content"]).strip():
+                    common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                         "response would be the end-of-turn token alone. Remove the row or fill it.")
+            triples.append((c[:-1], c[-1:], r[-1:]))
+    else:
+        check_text(ds, ["prompt", "chosen", "rejected"], spec)
+        triples = list(zip(ds["prompt"], ds["chosen"], ds["rejected"]))
+    # chosen == rejected: kept (no preference: zero gradient in DPO's and Bradley-Terry's loss), but counted
+    same = [i for i, (_, c, r) in enumerate(triples) if c == r]
+    if same:
+        print(f"note: {len(same)} of {len(triples)} pairs of {dataset_name(spec)} have chosen == rejected (first: row "
+              f"{same[0]}); they carry no preference and are kept, diluting the batch mean.")
+    return triples
+
+
+def batch_indices(n, batch_size, seed, step):
+    """The example indices of micro-batch `step`: a fresh permutation every epoch, cycling
+    forever. Stateless, so a resumed run sees exactly the data it would have seen."""
+    out = []
+    start = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+    return out
+
+
+def count_truncated(tokenizer, texts, max_length, completions=False):
+    """How many texts encode_prompts (or encode_completions) will cut at max_length tokens."""
+    if not max_length:
+        return 0
+    encode = encode_completions if completions else encode_prompts
+    return sum(int((encode(tokenizer, texts[i:i + 1024])[1].sum(1) > max_length).sum())
+               for i in range(0, len(texts), 1024))
+
+
+def truncation_counts(tokenizer, prompts, responses, args, name):
+    """prompts_truncated / completions_truncated for summary.json, counted up front and printed:
+    prompts longer than --max_prompt_length keep their last tokens, responses (dataset completions,
+    None for sampled ones, which the scripts count as they sample) keep their first
+    --max_completion_length tokens."""
+    counts = {"prompts_truncated": count_truncated(tokenizer, prompts, args.max_prompt_length),
+              "completions_truncated": count_truncated(tokenizer, responses, args.max_completion_length, True) if responses else 0}
+    if any(counts.values()):
+        print(f"{name}: {counts['prompts_truncated']} of {len(prompts)} prompts are longer than --max_prompt_length "
+              f"{args.max_prompt_length} and keep their last tokens"
+              + (f"; {counts['completions_truncated']} of {len(responses)} responses are longer than --max_completion_length "
+                 f"{args.max_completion_length} and are cut (their EOS is not seen)" if responses else ""))
+    return counts
+
+
+def encode_prompts(tokenizer, texts, max_length=None):
+    """Left-padded prompt ids (B, P) and mask; too-long prompts keep their end."""
+    seqs = [tokenizer(t, add_special_tokens=not _has_bos(tokenizer, t))["input_ids"] for t in texts]
+    if max_length:
+        seqs = [s[-max_length:] for s in seqs]
+    return _pad(seqs, tokenizer.pad_token_id, left=True)
+
+
+def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):
+    """Right-padded completion ids (B, C) and mask, each ending with a stop token: EOS is added
+    unless the text already ends with one of `stop_ids` (sampling.stop_token_ids; default: EOS
+    alone), e.g. a chat template's end-of-turn. The mask, not the ids, says where a completion
+    ends (cut at max_length, the stop token is lost)."""
+    eos = tokenizer.eos_token_id
+    stops = set(stop_ids or [eos])
+    seqs = []
+    for t in texts:
+        ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+        if not ids or ids[-1] not in stops:
+            ids = ids + [eos]
+        seqs.append(ids[:max_length] if max_length else ids)
+    return _pad(seqs, tokenizer.pad_token_id, left=False)
+
+
+def encode_turns(tokenizer, turns, max_length=None, stop_ids=None):
+    """encode_completions for completions given as render_turns segments: right-padded ids
+    (B, C), mask, and the loss mask (B, C): 1 on the tokens of trained segments and on EOS
+    (added unless the text already ends with one of `stop_ids`, as in encode_completions)."""
+    eos = tokenizer.eos_token_id
+    stops = set(stop_ids or [eos])
+    seqs, trained = [], []
+    for segments in turns:
+        ids, train = [], []
+        for text, is_trained in segments:  # each segment encoded alone, as prompt and completion are
+            t = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, train = ids + t, train + [int(is_trained)] * len(t)
+        if not ids or ids[-1] not in stops:
+            ids, train = ids + [eos], train + [1]
+        seqs.append(ids[:max_length] if max_length else ids)
+        trained.append(train[:max_length] if max_length else train)
+    ids, mask = _pad(seqs, tokenizer.pad_token_id, left=False)
+    return ids, mask, _pad(trained, 0, left=False)[0] * mask
+
+
+def _has_bos(tokenizer, text):
+    return tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+
+
+def _pad(seqs, pad_id, left):
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask

@@ -1,0 +1,100 @@
+"""LoRA and QLoRA through peft (Hu et al. 2021; Dettmers et al. 2023): adapters on a frozen (and
+optionally 4- or 8-bit) base, the reference as that same base with the adapters off (no second
+copy in memory), and the merged model a final save writes beside the adapters.
+"""
+
+import contextlib
+import json
+import os
+
+
+import common
+
+
+def load_adapter_folder(name, args, cls, adapters=False, **kwargs):
+    """A model saved as LoRA adapters (adapter_config.json + adapter_model.safetensors): its
+    base (adapter_config.json's base_model_name_or_path, in --dtype) with the adapters merged in."""
+    from peft import PeftModel
+
+    with open(os.path.join(name, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    if not base or not os.path.exists(base) and base.startswith((".", "/", "runs/")):
+        common.fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
+             "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
+    model = common.load_model(base, args, cls, **kwargs)
+    model = PeftModel.from_pretrained(model, name).merge_and_unload()
+    return add_adapters(model, args) if adapters and args.use_peft else model
+
+
+def merged_model(model, args):
+    """The trained adapters merged into a fresh copy of the base in --dtype, on the CPU: W + (alpha/r) B A.
+    A quantised base is reloaded unquantised rather than merged into its rounded weights, so the
+    result loads anywhere as a plain transformers model (eval.py, vLLM, lm-eval)."""
+    import copy
+    import tempfile
+
+    from peft import PeftModel
+
+    inner = model.get_base_model()
+    config = copy.deepcopy(inner.config)  # with what the run added, e.g. reward.py's reward_mean
+    for name in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, name):
+            delattr(config, name)
+    base = type(inner).from_pretrained(args.model, config=config, dtype=common.torch_dtype(args.dtype),
+                                       trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
+        model.save_pretrained(tmp)
+        return PeftModel.from_pretrained(base, tmp).merge_and_unload()
+
+
+def add_adapters(model, args):
+    """LoRA adapters (Hu et al. 2021) on a frozen base: W x + (lora_alpha / r) B A x, B = 0 at
+    the start, so the adapted model starts exactly as the base.
+
+    Not peft's prepare_model_for_kbit_training: it casts every unquantised weight (embeddings,
+    head, norms) to fp32, and with them the hidden states, which for Qwen2.5-7B costs 2.2 GB of
+    weights and doubles the activations; its other jobs are done here already (get_peft_model
+    freezes the base; non-reentrant checkpointing needs no input gradients).
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    score_head = hasattr(model, "score")  # AutoModelForSequenceClassification: reward models, critics
+    targets = args.lora_target_modules
+    config = LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        task_type=TaskType.SEQ_CLS if score_head else TaskType.CAUSAL_LM,
+        modules_to_save=["score"] if score_head else None)  # the new head trains in full
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # e.g. a --lora_target_modules name this architecture does not have
+        common.fail(f"--lora_target_modules {targets}: {e}")
+
+
+def is_peft(model):
+    return model is not None and hasattr(model, "disable_adapter")
+
+
+def reference_of(model, args):
+    """The frozen reference pi_ref: with --use_peft the policy itself, whose base is the
+    reference when its adapters are off (`adapters_off`), so it costs no memory; otherwise a
+    frozen copy of --model."""
+    if is_peft(model):
+        return model
+    return common.freeze(common.load_model(args.model, args))
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Run `model` as its base: a peft model with its adapters (and trained score head) switched
+    off and dropout off; any other model unchanged."""
+    if not is_peft(model):
+        yield model
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            yield model
+    finally:
+        model.train(was_training)

@@ -1,0 +1,149 @@
+"""What a run reports: metrics.jsonl (one JSON object per logged step, means over the
+--logging_steps window), the console and progress bar, an optional tracker (tensorboard, wandb),
+and --log_completions' sample tables.
+"""
+
+import json
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+import checkpoints
+import common
+import data
+import parallel
+
+
+class MetricsLogger:
+    """metrics.jsonl (one JSON object per logged step, each with `step`), the console, and an
+    optional tracker (tensorboard / wandb, imported only when --report_to asks for it).
+
+    Every step, `update(metrics, num_tokens)` adds that step's metrics to the logging window;
+    every --logging_steps, `log(step, metrics)` writes the window's mean (key by key, as TRL
+    logs) plus `metrics` (values of that moment, e.g. the learning rate) and `num_tokens`, the
+    tokens (prompt + completion) trained on since the start of the run, cumulative as in TRL.
+    """
+
+    def __init__(self, args, start_step=0):
+        os.makedirs(args.output_dir, exist_ok=True)
+        self.path = os.path.join(args.output_dir, "metrics.jsonl")
+        self.tracker = None
+        self.window, self.num_tokens, self.num_tokens_before = [], 0, 0
+        if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
+            return
+        checkpoints.claim_output_dir(args)
+        kept = []
+        if start_step and os.path.exists(self.path):  # resuming: keep the lines up to the checkpoint
+            with open(self.path) as f:
+                lines = f.readlines()
+            for n, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if n == len(lines):  # torn by a kill or a full disk during the write: a step after the checkpoint
+                        print(f"resume: dropped the torn last line of {self.path}.")
+                        break
+                    common.fail(f"{self.path}, line {n}: not valid JSON; delete that line and resume again.")
+                if row["step"] <= start_step:
+                    kept.append(line)
+        self.num_tokens_before = max([json.loads(line).get("num_tokens", 0) for line in kept] or [0])
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        if args.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tracker = SummaryWriter(args.output_dir)
+        elif args.report_to == "wandb":
+            import wandb
+
+            self.tracker = wandb.init(config=vars(args), dir=args.output_dir)
+
+    def update(self, metrics, num_tokens=0):
+        """One step's metrics into the logging window; `num_tokens` this rank trained on in it."""
+        self.window.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or torch.is_tensor(v)})
+        self.num_tokens += int(num_tokens)
+
+    def log(self, step, metrics=None, pbar=None):
+        """Write the window's mean plus `metrics`, then start a new window. Under torchrun,
+        numbers are averaged over ranks first (num_tokens summed): call it on every rank."""
+        metrics = {**window_mean(self.window), **(metrics or {})}
+        if self.num_tokens or self.num_tokens_before:
+            metrics["num_tokens"] = self.num_tokens
+        self.window = []
+        self._write(step, metrics, pbar)
+
+    def log_eval(self, step, metrics):
+        """Held-out metrics (eval_*): their own line in metrics.jsonl, printed to the console."""
+        metrics = self._write(step, metrics)
+        if metrics is not None:
+            tqdm.write(f"{common.script_name()}: step {step}: " + ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+    def _write(self, step, metrics, pbar=None):
+        metrics = {k: (float(v) if torch.is_tensor(v) else v) for k, v in metrics.items()}
+        if parallel.world_size() > 1:
+            metrics = parallel.mean_over_ranks(metrics)  # ranks may hold different keys
+            if "num_tokens" in metrics:  # a sum over ranks, not a mean
+                metrics["num_tokens"] = round(metrics["num_tokens"] * parallel.world_size())
+            if not parallel.is_main():
+                return None
+        if "num_tokens" in metrics:
+            metrics["num_tokens"] += self.num_tokens_before
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if pbar is not None:
+            pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)}, refresh=False)
+        if self.tracker is not None and hasattr(self.tracker, "add_scalar"):
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tracker.add_scalar(k, v, step)
+        elif self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+        return metrics
+
+    def close(self):
+        if self.tracker is not None:
+            self.tracker.close() if hasattr(self.tracker, "add_scalar") else self.tracker.finish()
+
+
+def window_mean(rows):
+    """Key-by-key mean of metric dicts, each key over the rows that have it."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+
+
+def log_completions(args, step, prompts, completions, rewards):
+    """--log_completions: a table of the first --num_completions_to_print (prompt, completion,
+    rewards) on the console; every row appended to <output_dir>/completions.jsonl. `rewards` is
+    {name: one value per completion}; prompts are the dataset's (text or messages)."""
+    if not parallel.is_main():
+        return
+    rows = [{"step": step, "prompt": p, "completion": c, **{k: float(v[i]) for k, v in rewards.items()}}
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+    with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def cell(x, width, tail=False):  # one line; a prompt shows its end, a completion its start
+        text = " ".join((x[-1]["content"] if data.is_conversational(x) else str(x)).split())
+        if len(text) > width:
+            text = "..." + text[3 - width:] if tail else text[:width - 3] + "..."
+        return text.ljust(width)
+
+    names = list(rewards)
+    header = f"{'prompt (end)':<40} | {'completion':<50} | " + " | ".join(f"{n[:12]:>12}" for n in names)
+    lines = [f"{common.script_name()}: completions at step {step}", header, "-" * len(header)]
+    for r in rows[:args.num_completions_to_print]:
+        lines.append(f"{cell(r['prompt'], 40, tail=True)} | {cell(r['completion'], 50)} | "
+                     + " | ".join(f"{r[n]:>12.4g}" for n in names))
+    tqdm.write("\n".join(lines))
+
+
+def progress(args, start=0, desc=None):
+    return tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
+                dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
+
+
+def mean_metrics(rows):
+    """Average a list of metric dicts (e.g. over minibatches) key by key."""
+    return {k: sum(float(r[k]) for r in rows) / len(rows) for k in rows[0]}
