@@ -27,8 +27,8 @@ demo: install
 # GRPO with the exact-answer verifier, then accuracy and pass@k (strict and lenient checks). Not
 # part of `demo`; the README ("The arithmetic world") gives the times and the numbers.
 demo-rlvr: install
-	$(PYTHON) sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith
-	$(PYTHON) grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith
+	$(PYTHON) sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith --overwrite_output_dir
+	$(PYTHON) grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith --overwrite_output_dir
 	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith
 	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
 
