@@ -30,17 +30,22 @@ def claim_output_dir(args):
 
     global _LOCK
     os.makedirs(args.output_dir, exist_ok=True)
-    lock = open(os.path.join(args.output_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        common.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it to end "
-             "or pass another --output_dir.")
+    path = os.path.realpath(os.path.join(args.output_dir, ".lock"))
+    if _LOCK is not None and os.path.realpath(_LOCK.name) == path:  # this process holds it already (an earlier run)
+        lock = _LOCK
+    else:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            common.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it "
+                        "to end or pass another --output_dir.")
     lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
     _LOCK = lock
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(args.output_dir, "summary.json"))
-    if args.overwrite_output_dir and not (args.resume or args.resume_from_checkpoint):
+    resuming = getattr(args, "resume", False) or getattr(args, "resume_from_checkpoint", "")
+    if getattr(args, "overwrite_output_dir", False) and not resuming:
         old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"
                or n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]  # its final model
         for name in old:

@@ -148,8 +148,6 @@ def parse_args(cls, default_output_dir=None):
         fail(unknown_flag_message(cls, unknown))
     args.output_dir = args.output_dir or (default_output_dir and default_output_dir(args)) or os.path.join("runs", script_name())
     check_ranges(args)
-    check_choice("--lr_scheduler_type", args.lr_scheduler_type, scheduler_types())
-    check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
     check_choice("--dtype", args.dtype, ["auto", "bfloat16", "float16", "float32"])
     check_choice("--attn_implementation", args.attn_implementation, ["auto", "sdpa", "eager", "flash_attention_2"])
     try:
@@ -162,6 +160,7 @@ def parse_args(cls, default_output_dir=None):
     CHAT_TEMPLATE_KWARGS.update(kwargs)
     if not isinstance(args, TrainArgs):
         return args
+    check_choice("--lr_scheduler_type", args.lr_scheduler_type, scheduler_types())
     check_choice("--optim", args.optim, ["adamw_8bit", "adamw"])
     check_choice("--report_to", args.report_to, ["none", "tensorboard", "wandb"])
     if args.report_to != "none":  # before anything loads, not after the models did
@@ -396,8 +395,8 @@ def check_model_source(name):
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
-    if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, "config.json")):
+    if os.path.isdir(name):  # a model folder, or an adapter folder (lora.load_adapter_folder)
+        if not any(os.path.isfile(os.path.join(name, f)) for f in ("config.json", "adapter_config.json")):
             fail(f"{name} holds no model (no config.json): pass a folder written by save_pretrained or by one of the scripts.")
     elif not os.path.exists(name):
         _check_hub_id(name, "model")
