@@ -276,7 +276,7 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     ("grpo.py", ["--temperature", "0"], "--temperature must be positive"),
     ("sft.py", ["--per_device_train_batch_size", "4"], "TRL's --per_device_train_batch_size is --batch_size here (Examples per micro-batch"),
     ("grpo.py", ["--per_device_train_batch_size", "4"], "is --batch_size here (Prompts per micro-batch"),
-    ("sft.py", ["--num_train_epochs", "3"], "--max_steps here"),
+    ("sft.py", ["--warmup_ratio", "0.1"], "TRL's --warmup_ratio is --warmup_steps here"),
     ("eval.py", ["--judge", "gold", "runs/sft"], "unexpected argument(s) runs/sft: every setting is a --flag value pair "
                                                  "(a script that takes bare arguments wants them before the first --flag)"),
 ])
