@@ -32,8 +32,9 @@ demo-rlvr: install
 	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith
 	$(PYTHON) eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
 
+# two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
-	$(PYTHON) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests
 
 clean:
 	rm -rf runs
