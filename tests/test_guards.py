@@ -95,7 +95,7 @@ def test_raising_reward_function_is_reported_with_its_prompt(tmp_path, tiny_llam
 
 # ------------------------------------------------------------------ out-of-range inputs
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, data):
+def tiny_run(tmp_path_factory):
     """One sft.py run on 3 examples with batch 8 and prompts longer than --max_prompt_length."""
     folder = tmp_path_factory.mktemp("tiny_run")
     rows = [{"prompt": "POST: alice bought the bike in the city last week . TL;DR:", "completion": " alice bought bike ."},
@@ -261,8 +261,14 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     holder.wait()
     checkpoints.claim_output_dir(args)  # after the holder's crash: free again; the previous run's leftovers go
     assert sorted(os.listdir(out)) == [".lock"]  # nothing of the previous run looks current
-    assert "another run is writing to" in _error(checkpoints.claim_output_dir, args)  # held by this process now
+    # held by this process now: another process is refused, a second run in this process (a resume) reuses it
+    probe = subprocess.run([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+')\n"
+                            "try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError: print('busy')",
+                            str(out / ".lock")], capture_output=True, text=True)
+    assert probe.stdout.strip() == "busy"
+    checkpoints.claim_output_dir(args)
     checkpoints._LOCK.close()
+    checkpoints._LOCK = None
 
 
 # ------------------------------------------------------------------ validation before anything loads (#18)
