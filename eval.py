@@ -237,13 +237,15 @@ def is_binary(values):
 
 def group_stats(values, groups, num_bootstrap, seed):
     """Mean of per-prompt values (R, n) within each value of a dataset column, each with its own
-    bootstrap CI over that group's prompts (runs fixed)."""
+    bootstrap CIs over that group's prompts: prompt-only (runs fixed) and two-level (runs, then
+    prompts; the same as the prompt-only one with one run)."""
     values, out = np.asarray(values, float), {}
     for g in sorted(set(groups), key=str):
         sub = values[:, [i for i, x in enumerate(groups) if x == g]]  # (R, n_g)
-        counts, _, ones = bootstrap_plan(sub.shape[1], [sub.shape[0]], num_bootstrap, seed)
-        value, lo, hi, _, _ = mean_cis(sub, counts, ones, ones)
-        out[str(g)] = {"score": value, "ci_low": lo, "ci_high": hi, "n": sub.shape[1]}
+        counts, run_counts, ones = bootstrap_plan(sub.shape[1], [sub.shape[0]], num_bootstrap, seed)
+        value, lo, hi, seed_lo, seed_hi = mean_cis(sub, counts, run_counts, ones)
+        out[str(g)] = {"score": value, "ci_low": lo, "ci_high": hi, "seed_ci_low": seed_lo, "seed_ci_high": seed_hi,
+                       "n": sub.shape[1]}
     return out
 
 
@@ -618,7 +620,9 @@ def markdown_report(results, names, has_reference):
                                            for g in groups) + " |", "|" + "---|" * (len(groups) + 1)]
         for name in names + ([REFERENCE] if has_reference else []):
             by = (results["reference"] if name == REFERENCE else results["policies"][name])["by_group"]
-            lines.append(f"| {name} | " + " | ".join(fmt_ci(by[g]["score"], by[g]["ci_low"], by[g]["ci_high"], 3) for g in groups) + " |")
+            lines.append(f"| {name} | " + " | ".join(fmt_ci(by[g]["score"], by[g]["ci_low"], by[g]["ci_high"], 3) + (
+                f" [seeds + prompts ({by[g]['seed_ci_low']:.3f}, {by[g]['seed_ci_high']:.3f})]" if len(
+                    (results["policies"].get(name) or {}).get("runs", [])) > 1 else "") for g in groups) + " |")
     return "\n".join(lines) + "\n"
 
 

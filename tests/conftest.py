@@ -92,3 +92,13 @@ def run_main(module, argv, monkeypatch):
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
     monkeypatch.setenv("TQDM_DISABLE", "1")
     module.main()
+
+
+def main_error(module, argv, monkeypatch, capsys):
+    """Run main() in this process and expect it to stop as the command line would: the message
+    of its SystemExit (common.fail) or what argparse printed to stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(module, argv, monkeypatch)
+    assert e.value.code not in (0, None), "the run did not fail"
+    return f"{e.value}\n{capsys.readouterr().err}"

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_main
 
 import eval as ev
 import world
@@ -271,12 +271,19 @@ def tiny_folders(tmp_path_factory):
     return root
 
 
+def run_eval(argv, monkeypatch, capsys):
+    """eval.py in this process (as `python eval.py ARGV`); returns what it printed."""
+    capsys.readouterr()
+    run_main(ev, [str(a) for a in argv], monkeypatch)
+    return capsys.readouterr().out
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
 
 
-def test_end_to_end(tiny_folders):
+def test_end_to_end(tiny_folders, monkeypatch, capsys):
     from PIL import Image
 
     root = tiny_folders
@@ -284,9 +291,9 @@ def test_end_to_end(tiny_folders):
     common_flags = ["--num_prompts", "24", "--num_bootstrap", "200", "--max_completion_length", "12",
                     "--eval_batch_size", "8", "--do_sample", "--cache_dir", str(root / "cache")]
     out = root / "gold"
-    proc = run_script("eval.py", str(root / "pi0"), str(root / "pi1"), "--output_dir", str(out), *common_flags)
-    assert proc.stdout.count("generated 24 responses") == 2
-    assert "| pi1 |" in proc.stdout  # the table is printed
+    stdout = run_eval([root / "pi0", root / "pi1", "--output_dir", out, *common_flags], monkeypatch, capsys)
+    assert stdout.count("generated 24 responses") == 2
+    assert "| pi1 |" in stdout  # the table is printed
 
     results = json.loads((out / "results.json").read_text())
     assert set(results["elo"]) == set(results["policies"]) == {"pi0", "pi1"}
@@ -322,9 +329,9 @@ def test_end_to_end(tiny_folders):
 
     # another judge: the generations come from the cache, not from the policies again
     out_llm = root / "llm"
-    proc = run_script("eval.py", str(root / "pi0"), str(root / "pi1"), "--output_dir", str(out_llm),
-                      "--judge", f"llm:{root / 'judge'}", *common_flags)
-    assert proc.stdout.count("responses from the cache") == 2 and "generated" not in proc.stdout
+    stdout = run_eval([root / "pi0", root / "pi1", "--output_dir", out_llm, "--judge", f"llm:{root / 'judge'}",
+                       *common_flags], monkeypatch, capsys)
+    assert stdout.count("responses from the cache") == 2 and "generated" not in stdout
     judgments = read_jsonl(out_llm / "judgments.jsonl")
     assert all(0 <= j["prob_a"] <= 1 and (j["winner"] == "tie") == (abs(j["prob_a"] - 0.5) <= 0.05) for j in judgments)
     llm_results = json.loads((out_llm / "results.json").read_text())
@@ -333,15 +340,15 @@ def test_end_to_end(tiny_folders):
     assert gens == read_jsonl(out / "generations.jsonl")
 
 
-def test_end_to_end_methods_of_several_runs(tiny_folders):
+def test_end_to_end_methods_of_several_runs(tiny_folders, monkeypatch, capsys):
     """Two methods of two runs each (glob and comma list): the win rate averages over the four run
     pairs, both CIs are reported, and the two-level one is at least as wide here."""
     root = tiny_folders
     out = root / "methods"
-    proc = run_script("eval.py", f"a={root}/pi[01]", f"b={root / 'pi2'},{root / 'pi3'}", "--output_dir", str(out),
-                      "--num_prompts", "24", "--num_bootstrap", "200", "--max_completion_length", "12",
-                      "--eval_batch_size", "8", "--do_sample", "--cache_dir", str(root / "cache"))
-    assert "2 methods (4 runs)" in proc.stdout
+    stdout = run_eval([f"a={root}/pi[01]", f"b={root / 'pi2'},{root / 'pi3'}", "--output_dir", out,
+                       "--num_prompts", "24", "--num_bootstrap", "200", "--max_completion_length", "12",
+                       "--eval_batch_size", "8", "--do_sample", "--cache_dir", root / "cache"], monkeypatch, capsys)
+    assert "2 methods (4 runs)" in stdout
     results = json.loads((out / "results.json").read_text())
     assert results["policies"]["a"]["runs"] == ["a/pi0", "a/pi1"] and results["policies"]["b"]["runs"] == ["b/pi2", "b/pi3"]
     (pair,) = [r for r in results["pairwise"] if (r["policy_a"], r["policy_b"]) == ("b", "a")]
@@ -399,3 +406,21 @@ def test_cache_key_follows_the_weights_content(tmp_path):
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime
     ev.weights_fingerprint.cache_clear()  # computed once per policy and run: a new run computes it again
     assert ev.weights_fingerprint(str(folder)) != before
+
+
+def test_group_stats_per_level_with_both_cis():
+    """Per-group means (e.g. accuracy per difficulty level): each group's mean of its own prompts;
+    with one run the two-level CI is the prompt-only one, with runs that differ it is wider."""
+    rng = np.random.default_rng(0)
+    groups = [1] * 60 + [2] * 40
+    one = rng.integers(0, 2, size=(1, 100)).astype(float)
+    stats = ev.group_stats(one, groups, 500, 0)
+    assert stats["1"]["n"] == 60 and stats["2"]["n"] == 40
+    assert stats["2"]["score"] == pytest.approx(one[0, 60:].mean())
+    assert (stats["1"]["seed_ci_low"], stats["1"]["seed_ci_high"]) == (stats["1"]["ci_low"], stats["1"]["ci_high"])
+    runs = np.stack([(rng.random(100) < p).astype(float) for p in (0.2, 0.5, 0.8)])  # a strong seed effect
+    stats = ev.group_stats(runs, groups, 500, 0)
+    for g in ("1", "2"):
+        s = stats[g]
+        assert s["seed_ci_high"] - s["seed_ci_low"] > 1.5 * (s["ci_high"] - s["ci_low"])
+        assert s["seed_ci_low"] <= s["score"] <= s["seed_ci_high"]

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import run_script
 
 import checkpoints
 import common
@@ -128,12 +128,14 @@ def test_dataset_smaller_than_one_batch_cycles(tiny_run):
     assert len(idx) == 8 and set(idx) == {0, 1, 2}  # every example, some twice
 
 
-def test_empty_response_in_the_data_is_a_clear_error(tmp_path, tiny_qwen):
+def test_empty_response_in_the_data_is_a_clear_error(tmp_path, tiny_qwen, monkeypatch, capsys):
+    import sft
+    from conftest import main_error
+
     bad = _write_jsonl(tmp_path / "empty.jsonl", [{"prompt": "POST: a . TL;DR:", "completion": " a ."},
                                                   {"prompt": "POST: b . TL;DR:", "completion": "  "}])
-    proc = run_script("sft.py", "--model", tiny_qwen, "--dataset", bad, "--output_dir", str(tmp_path / "o"), check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "row 1, column 'completion'" in proc.stderr
+    message = main_error(sft, ["--model", tiny_qwen, "--dataset", bad, "--output_dir", str(tmp_path / "o")], monkeypatch, capsys)
+    assert "row 1, column 'completion'" in message
 
 
 def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
@@ -151,24 +153,24 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
     assert torch.isfinite(rewards).all()
 
 
-def test_unknown_choices_fail_at_parse_time(tmp_path):
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+def test_unknown_choices_fail_at_parse_time(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    from conftest import main_error
+
     finished = tmp_path / "finished"  # another run's final model and checkpoint: refused without --resume/--overwrite_output_dir
     (finished / "checkpoint-4").mkdir(parents=True)
     (finished / "config.json").write_text("{}")
     (finished / "metrics.jsonl").write_text('{"step": 4}\n')
     out = ["--output_dir", str(tmp_path / "o")]
-    runs = {script: subprocess.Popen([sys.executable, script, *flag], cwd=ROOT,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for script, flag in [("dpo.py", ["--loss_type", "hinge2", *out]), ("sft.py", ["--parallel", "zero3", *out]),
-                                 ("grpo.py", ["--parallel", "fsdp2", *out]),  # with the default --optim adamw_8bit
-                                 ("ppo.py", ["--output_dir", str(finished)])]}
-    expected = {"dpo.py": "--loss_type 'hinge2' is not one of: sigmoid", "sft.py": "--parallel 'zero3' is not one of: ddp, fsdp2",
-                "grpo.py": "--parallel fsdp2 needs --optim adamw",
-                "ppo.py": f"--output_dir {finished} holds another run's model and checkpoints (checkpoint-4, config.json)"}
-    for script, proc in runs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 1 and expected[script] in err and "Traceback" not in err
+    cases = [("dpo", ["--loss_type", "hinge2", *out], "--loss_type 'hinge2' is not one of: sigmoid"),
+             ("sft", ["--parallel", "zero3", *out], "--parallel 'zero3' is not one of: ddp, fsdp2"),
+             ("grpo", ["--parallel", "fsdp2", *out], "--parallel fsdp2 needs --optim adamw"),  # default --optim adamw_8bit
+             ("ppo", ["--output_dir", str(finished)],
+              f"--output_dir {finished} holds another run's model and checkpoints (checkpoint-4, config.json)")]
+    for script, argv, expected in cases:
+        message = main_error(importlib.import_module(script), argv, monkeypatch, capsys)
+        assert expected in message and "Traceback" not in message
     assert not os.path.exists(tmp_path / "o")  # nothing was loaded or written
     assert sorted(os.listdir(finished)) == ["checkpoint-4", "config.json", "metrics.jsonl"]
     assert (finished / "metrics.jsonl").read_text() == '{"step": 4}\n'

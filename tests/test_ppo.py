@@ -160,7 +160,10 @@ def test_ppo_end_to_end_with_a_reward_model(tmp_path, tiny_qwen, tiny_reward_mod
     assert os.path.isdir(os.path.join(out, "checkpoint-2"))
 
 
-def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
+def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama, monkeypatch, capsys):
+    import ppo
+    from conftest import main_error
+
     data = tmp_path / "prompts.jsonl"
     with open(data, "w") as f:
         for i in range(6):
@@ -177,9 +180,9 @@ def test_ppo_with_a_reward_function_on_any_causal_lm(tmp_path, tiny_llama):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert "gold_score" not in json.load(open(os.path.join(out, "summary.json")))
-    bad = run_script("ppo.py", "--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope",
-                     "--output_dir", out, "--overwrite_output_dir", check=False)
-    assert bad.returncode != 0 and "defines no function 'nope'" in bad.stderr
+    bad = main_error(ppo, ["--model", tiny_llama, "--dataset", str(data), "--reward_fn", f"{fn}:nope", "--output_dir", out,
+                           "--overwrite_output_dir"], monkeypatch, capsys)
+    assert "defines no function 'nope'" in bad
 
 
 def test_gradient_checkpointing_shrinks_ppo_activations(tmp_path, tiny_qwen, monkeypatch):

@@ -77,11 +77,14 @@ def test_reward_end_to_end_on_the_embedded_world(tmp_path, tiny_qwen):
     assert rm.config.num_labels == 1 and os.path.isdir(os.path.join(out, "checkpoint-4"))
 
 
-def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen):
+def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen, monkeypatch, capsys):
+    from conftest import main_error
+
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "x", "chosen": " y"}\n')
-    proc = run_script("reward.py", "--model", tiny_qwen, "--dataset", str(bad), "--output_dir", str(tmp_path / "o"), check=False)
-    assert proc.returncode != 0 and "no column 'rejected'" in proc.stderr
+    message = main_error(reward, ["--model", tiny_qwen, "--dataset", str(bad), "--output_dir", str(tmp_path / "o")],
+                         monkeypatch, capsys)
+    assert "no column 'rejected'" in message
 
 
 def test_gradient_checkpointing_shrinks_reward_model_activations(tmp_path, tiny_qwen, monkeypatch):

@@ -53,16 +53,16 @@ def test_sft_any_model_on_conversational_jsonl(tmp_path, tiny_llama):
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)
 
 
-def test_sft_rejects_bad_input_with_a_clear_message(tmp_path, tiny_llama):
+def test_sft_rejects_bad_input_with_a_clear_message(tmp_path, tiny_llama, monkeypatch, capsys):
+    import sft
+    from conftest import main_error
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "completion": " y"}\n{"prompt": "x"\n')
-    proc = run_script("sft.py", "--model", tiny_llama, "--dataset", str(bad), "--output_dir", str(tmp_path / "o"),
-                      check=False)
-    assert proc.returncode != 0 and "bad.jsonl, line 2" in proc.stderr
-    proc = run_script("sft.py", "--optim", "sgd", "--output_dir", str(tmp_path / "o"), check=False)
-    assert proc.returncode != 0 and "--optim 'sgd'" in proc.stderr
-    proc = run_script("sft.py", "--model", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o"), check=False)
-    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    out = ["--output_dir", str(tmp_path / "o")]
+    assert "bad.jsonl, line 2" in main_error(sft, ["--model", tiny_llama, "--dataset", str(bad), *out], monkeypatch, capsys)
+    assert "--optim 'sgd'" in main_error(sft, ["--optim", "sgd", *out], monkeypatch, capsys)
+    assert "does not exist" in main_error(sft, ["--model", str(tmp_path / "nope"), *out], monkeypatch, capsys)
 
 
 def test_two_micro_batches_train_like_one_of_twice_the_size(tmp_path, tiny_qwen, sft_data, monkeypatch):
