@@ -192,7 +192,7 @@ def make_judge(args, world_data):
     return judge, None
 
 
-def sample_pairs(model, tokenizer, prompts, columns, judge, args):
+def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
     """Two samples per prompt from the current policy, labelled by the judge.
 
     Returns the batch (prompt ids, completion ids with chosen first, masks) of the non-tied
@@ -205,7 +205,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args):
     # rows 2i and 2i+1 are the two samples of prompt i
     completion_ids, completion_mask, truncated = sampling.generate(
         model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
-        num_return_sequences=2, **common.sampling_kwargs(args))  # (2B, C)
+        num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
     texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
@@ -292,7 +292,7 @@ def main():
     if args.reward_model and args.reward_fn:
         common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + parallel.rank())  # rank-offset seeds: each rank samples its own completions
+    common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
     embedded = args.dataset == common.EMBEDDED
 
@@ -368,7 +368,8 @@ def main():
             stats = {}
             if args.online:
                 batch, stats, samples = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
-                                                     {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args)
+                                                     {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args,
+                                                     (step, micro))
                 truncated["completions_truncated"] += round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
                 if batch is None:  # every pair tied: nothing to learn from this micro-batch
                     rows.append(stats)

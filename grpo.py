@@ -317,7 +317,7 @@ def main():
         print(f"grpo: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
               f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + parallel.rank())  # each rank samples differently
+    common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
@@ -378,7 +378,7 @@ def main():
                 # here and in every log-prob pass below (sampling.completion_logprobs shares it)
                 completion_ids, completion_mask, truncated = sampling.generate(
                     model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                    num_return_sequences=G, **common.sampling_kwargs(args))
+                    num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
                 texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
                 truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
 

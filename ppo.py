@@ -29,6 +29,11 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
   stay in training mode, so --gradient_checkpointing works), so log-probs at rollout and at the
   first update match exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
+- The policy and value losses are token means over the whole minibatch: every micro-batch of
+  it on every rank (`minibatch_tokens`), as one process with the whole minibatch computes them;
+  TRL averages per micro-batch. So N ranks x b prompts train exactly like 1 rank x N*b when the
+  minibatch is the whole rollout (--num_mini_batches 1; with more, each rank shuffles its own
+  rollout into minibatches), and the samples themselves match too (sampling.generate's seed).
 - The reward model must share the policy's tokenizer (true for reward.py's output): the critic,
   initialised from it, reads the rollout's token ids. The reward model itself scores the decoded
   completion rendered as reward.py rendered its training pairs (sampling.score_texts), so it
@@ -50,7 +55,7 @@ Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
-    torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its own prompts
+    torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
 """
 
 import dataclasses
@@ -105,8 +110,17 @@ class Args(SamplingArgs):
 
 
 # ============================================================================ the algorithm
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x, mask, num_tokens=None):
+    """Mean over the masked entries; with num_tokens, the sum divided by it instead (a share of
+    a mean over more tokens than these: minibatch_tokens)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def minibatch_tokens(masks):
+    """The normaliser of a minibatch's losses, given this rank's micro-batch masks: its token
+    count on every rank, divided by the number of ranks -- optimizer_step averages the ranks'
+    gradients, so the summed micro-batch losses are then the token mean of the whole minibatch."""
+    return parallel.all_reduce(sum(m.sum() for m in masks).float()).clamp(min=1 / parallel.world_size())
 
 
 def masked_whiten(x, mask, shift_mean=True):
@@ -152,14 +166,16 @@ def gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, dual_clip_c):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, dual_clip_c, num_tokens=None):
     """Dual-clip PPO surrogate, as a loss to minimise (Schulman et al. 2017, Eq. 7; Ye et al. 2020, Eq. 5):
 
         L = -E_t[ max( min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t), c A_t ) ]   where A_t < 0
         L = -E_t[ min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t) ]                  where A_t >= 0
 
     with r_t = pi_theta(y_t) / pi_old(y_t). The dual clip bounds how much a token with a large
-    ratio and a negative advantage can push: its loss is at most -c * A_t."""
+    ratio and a negative advantage can push: its loss is at most -c * A_t. E_t is the token mean
+    of this micro-batch, or its share of one over `num_tokens` tokens (minibatch_tokens); the
+    metrics are this micro-batch's means."""
     ratio = torch.exp(logprobs - old_logprobs)  # (B, C)
     surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages)
     objective = surrogate
@@ -167,10 +183,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, dual_clip_c
     if dual_clip_c:
         dual_clipped = (advantages < 0) & (surrogate < dual_clip_c * advantages)
         objective = torch.where(advantages < 0, torch.max(surrogate, dual_clip_c * advantages), surrogate)
-    loss = -masked_mean(objective, mask)
+    loss = -masked_mean(objective, mask, num_tokens)
     with torch.no_grad():
         stats = {
-            "pg_loss": loss.detach(),
+            "pg_loss": -masked_mean(objective, mask),
             "clipfrac": masked_mean((ratio * advantages > surrogate).float(), mask),  # the clip bound binds
             "dual_clip_frac": masked_mean(dual_clipped.float(), mask),
             "approx_kl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),  # TRL's estimator
@@ -179,13 +195,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, dual_clip_c
     return loss, stats
 
 
-def value_loss(values, old_values, returns, mask, cliprange_value):
+def value_loss(values, old_values, returns, mask, cliprange_value, num_tokens=None):
     """Clipped value loss (Schulman et al. 2017 baselines; Huang et al. 2024, detail 8):
-    0.5 * E[max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)]."""
+    0.5 * E[max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)], E as in policy_loss."""
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    losses, clipped_losses = (values - returns) ** 2, (clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(losses, clipped_losses), mask)
-    return loss, {"vf_loss": loss.detach(), "vf_clipfrac": masked_mean((clipped_losses > losses).float(), mask)}
+    losses = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = 0.5 * masked_mean(losses, mask, num_tokens)
+    stats = {"vf_loss": 0.5 * masked_mean(losses.detach(), mask),
+             "vf_clipfrac": masked_mean(((clipped - returns) ** 2 > (values - returns) ** 2).float(), mask)}
+    return loss, stats
 
 
 def explained_variance(values, returns, mask):
@@ -306,7 +324,7 @@ def main():
         common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
                     "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + parallel.rank())  # each rank samples its own completions
+    common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
     offload_device = torch.device("cpu") if args.offload_frozen else device
 
@@ -383,7 +401,7 @@ def main():
         for s in range(0, rollout_batch, args.batch_size):
             c_ids, c_mask, truncated = sampling.generate(
                 policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
-                args.max_completion_length, temperature=args.temperature, **common.sampling_kwargs(args))
+                args.max_completion_length, temperature=args.temperature, **common.sampling_kwargs(args, step, s))
             chunks.append((c_ids, c_mask, truncated))
         width = max(c[0].shape[1] for c in chunks)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
@@ -433,17 +451,21 @@ def main():
             perm = torch.randperm(rollout_batch, generator=torch.Generator().manual_seed(
                 (args.seed * 100_003 + step) * 101 + epoch)).to(device)
             for start in range(0, rollout_batch, mb_size):
-                for micro in range(start, start + mb_size, args.batch_size):
-                    mb = slice_batch(batch, perm[micro:micro + args.batch_size])
+                micro_idx = [perm[m:m + args.batch_size] for m in range(start, start + mb_size, args.batch_size)]
+                num_tokens = minibatch_tokens([batch["completion_mask"][i] for i in micro_idx])
+                for idx in micro_idx:
+                    mb = slice_batch(batch, idx)
                     mb_mask = mb["completion_mask"].float()
                     logprobs, entropy, mb_values = policy_and_values(policy, critic, mb, args.temperature)
                     pg_loss, pg_stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb_mask,
-                                                    args.cliprange, args.dual_clip_c)
-                    vf_loss, vf_stats = value_loss(mb_values, mb["values"], mb["returns"], mb_mask, args.cliprange_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
+                                                    args.cliprange, args.dual_clip_c, num_tokens)
+                    vf_loss, vf_stats = value_loss(mb_values, mb["values"], mb["returns"], mb_mask, args.cliprange_value,
+                                                   num_tokens)
+                    loss = pg_loss + args.vf_coef * vf_loss  # this micro-batch's share of the minibatch's token mean
                     common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
-                    (loss / args.gradient_accumulation_steps).backward()
-                    stats.append({**pg_stats, **vf_stats, "loss": loss.detach(), "entropy": masked_mean(entropy.detach(), mb_mask)})
+                    loss.backward()
+                    stats.append({**pg_stats, **vf_stats, "loss": pg_stats["pg_loss"] + args.vf_coef * vf_stats["vf_loss"],
+                                  "entropy": masked_mean(entropy.detach(), mb_mask)})
                 memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
                                   frozen={"reference model": None if ref_policy is policy else ref_policy,
                                           "reward model": None if reward_model is critic else reward_model})

@@ -210,18 +210,24 @@ def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
 # ============================================================================ generation
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0,
-             top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1, min_p=0.0, repetition_penalty=1.0):
+             top_p=1.0, top_k=0, do_sample=True, num_return_sequences=1, min_p=0.0, repetition_penalty=1.0,
+             seed=None):
     """Sample `num_return_sequences` (n) completions per prompt; stop at any stop token
     (`stop_token_ids`: the tokenizer's EOS and the generation config's).
 
     A plain decoding loop over the model's key/value cache -- HF `generate`'s sampling, without
     its processors: each prompt is prefilled once and its cache repeated for its n samples, so
     rows i*n..(i+1)*n-1 are prompt i's (the layout of `repeat_interleave(n)`). Sampling is
-    multinomial at `temperature`, optionally restricted by `top_k` / `top_p` / `min_p`, after
+    at `temperature` (an exponential race, `_next_token`), optionally restricted by `top_k` / `top_p` / `min_p`, after
     `repetition_penalty` on the tokens seen so far (prompt and completion); `do_sample=False` is
     greedy (the repetition penalty still applies, as in HF). Returns completion ids (B*n, C) with
     everything after the first stop token set to pad, the mask (1 up to and including it), and
     `truncated` (B*n,): True where none was produced.
+
+    `seed`: None draws the sampling noise from the global RNG. An int draws it from a generator
+    seeded with it, for the rows of every rank at once (`sampling_noise`), so that the samples
+    of N ranks x B prompts (each rank its contiguous shard, parallel.shard) are exactly those
+    of 1 rank x N*B prompts, and a resumed run draws the same ones again.
     """
     was_training = model.training
     model.eval()
@@ -240,12 +246,14 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     if repetition_penalty != 1.0:
         seen = logits.new_zeros(logits.shape).scatter_add_(1, prompt_ids.repeat_interleave(n, 0), mask.float()) > 0
     sharded = parallel.is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
+    generator = torch.Generator(device=logits.device).manual_seed(seed) if do_sample and seed is not None else None
     tokens = []
     for t in range(max_new_tokens):
-        if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not torch.multinomial's error
+        if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
             common.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
                         "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
-        token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen)
+        noise = sampling_noise(logits.shape, generator, logits.device) if do_sample else None
+        token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)
         token = token.masked_fill(done, pad)  # (B*n,)
         tokens.append(token)
         if seen is not None:
@@ -271,12 +279,29 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     return completion[:, :width], completion_mask[:, :width], truncated
 
 
-def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetition_penalty=1.0, seen=None):
+def sampling_noise(shape, generator, device):
+    """Uniform [0, 1) noise of one decoding step, `shape` (R, V): from the global RNG without a
+    generator; with one, drawn for the rows of all N ranks, (N*R, V), of which rank r keeps rows
+    r*R..(r+1)*R -- the rows a single process with the whole batch gives to that shard. Step t
+    uses the generator's t-th draw on every rank, so a rank whose rows all finished early and
+    stops drawing changes nothing for the others."""
+    if generator is None:
+        return torch.rand(shape, device=device)
+    rows, r = shape[0], parallel.rank()
+    return torch.rand((parallel.world_size() * rows, shape[1]), generator=generator, device=device)[r * rows:(r + 1) * rows]
+
+
+def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetition_penalty=1.0, seen=None,
+                noise=None):
     """One token per row from next-token logits (B, V): greedy, or sampled at `temperature`
     from the top-k tokens, the smallest set whose probability reaches top_p, and the tokens at
     least min_p times as probable as the most probable one (Nguyen et al. 2024). First, the
     repetition penalty (Keskar et al. 2019, as HF applies it): the logit of every token in
-    `seen` (B, V) is divided by the penalty where positive, multiplied where negative."""
+    `seen` (B, V) is divided by the penalty where positive, multiplied where negative.
+
+    Sampling is an exponential race: with E_v = -log U_v, U_v ~ Uniform(0, 1) the `noise`
+    (B, V), argmax_v p_v / E_v is token v with probability p_v (the E_v / p_v are independent
+    Exp(p_v) times; the first to finish wins), so the sample is a function of the noise."""
     if seen is not None:
         logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
     if not do_sample:
@@ -293,7 +318,8 @@ def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetit
     if min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+    noise = torch.rand_like(logits) if noise is None else noise
+    return (logits.softmax(-1) / -torch.log(noise)).argmax(-1)
 
 
 def reward_completions(prompts, texts):

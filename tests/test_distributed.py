@@ -31,9 +31,9 @@ def _metrics(folder):
         return [json.loads(line) for line in f]
 
 
-def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e-4):
+def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e-4, steps=4):
     a, b = ([r for r in _metrics(d) if "grad_norm" in r] for d in (one, two))  # training rows (not final evals)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
     for ra, rb in zip(a, b):
         for k in keys:  # num_tokens: the two ranks together saw the same batch
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
@@ -84,17 +84,53 @@ def test_dpo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen):
     _assert_same_training(one, two, keys=("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"))
 
 
-def test_grpo_runs_under_torchrun(tmp_path, tiny_qwen):
-    """grpo.py under 2 CPU ranks: each rank samples its own prompts, rank 0 logs and saves once."""
-    out = str(tmp_path / "grpo")
-    _finish(_launch(["grpo.py", "--model", tiny_qwen, "--max_steps", "2", "--batch_size", "2", "--num_generations", "4",
-                     "--max_completion_length", "8", "--save_steps", "2", "--eval_batch_size", "200",
-                     "--output_dir", out], nproc=2))
-    rows = _metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]  # one line per step, not one per rank
+def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, monkeypatch):
+    """grpo.py under 2 CPU ranks: each rank samples its shard of the prompts with the noise a
+    single process draws for those rows (sampling.generate's seed), so 2 ranks x 2 prompts x 4
+    samples train like 1 rank x 4 prompts x 4 samples; rank 0 logs and saves once."""
+    from conftest import run_main
+
+    import grpo
+
+    argv = ["--model", tiny_qwen, "--max_steps", "3", "--num_generations", "4", "--max_completion_length", "8",
+            "--learning_rate", "1e-3", "--optim", "adamw", "--save_steps", "2", "--eval_batch_size", "200"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run = _launch(["grpo.py", *argv, "--batch_size", "2", "--output_dir", two], nproc=2)
+    run_main(grpo, argv + ["--batch_size", "4", "--output_dir", one], monkeypatch)  # 1 rank, in this process
+    assert _finish(run).count("saved to") == 1  # only rank 0 prints
+    rows = _metrics(two)
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["clip_ratio"] == 0
-    assert os.path.exists(os.path.join(out, "checkpoint-2", "trainer_state.pt"))
-    assert json.load(open(os.path.join(out, "summary.json")))["gold_score"] <= 1
+    assert os.path.exists(os.path.join(two, "checkpoint-2", "trainer_state.pt"))
+    _assert_same_training(one, two, keys=("num_tokens", "reward", "reward_std", "completions/mean_length"), steps=3)  # kl: a token mean per rank
+    assert json.load(open(os.path.join(two, "summary.json")))["gold_score"] == \
+           pytest.approx(json.load(open(os.path.join(one, "summary.json")))["gold_score"])
+
+
+def test_ppo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, monkeypatch):
+    """ppo.py under 2 CPU ranks: the same samples as one rank with the whole batch, advantages
+    whitened over both ranks, and the losses' token mean over the whole minibatch, so with the
+    rollout as one minibatch, 2 ranks x 4 prompts train like 1 rank x 8 prompts (critic included)."""
+    from conftest import run_main
+
+    import ppo
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(16)))
+    (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
+    argv = ["--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:length", "--max_steps", "3",
+            "--num_mini_batches", "1", "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "2",
+            "--max_completion_length", "6", "--learning_rate", "1e-2", "--optim", "adamw", "--missing_eos_penalty", "0.2",
+            "--save_steps", "3"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run = _launch(["ppo.py", *argv, "--batch_size", "4", "--output_dir", two], nproc=2)
+    run_main(ppo, argv + ["--batch_size", "8", "--output_dir", one], monkeypatch)
+    assert _finish(run).count("saved to") == 1
+    _assert_same_training(one, two, keys=("num_tokens", "reward", "kl", "rlhf_reward", "completions/mean_length"), steps=3)
+    rows = _metrics(one)
+    assert rows[-1]["kl"] != 0 and rows[0]["episode"] == _metrics(two)[0]["episode"] == 8
+    ca, cb = (torch.load(os.path.join(d, "checkpoint-3", "trainer_state.pt"), weights_only=True)["critic"] for d in (one, two))
+    for k in ca:  # the critic trained alike too
+        torch.testing.assert_close(ca[k], cb[k], atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------ in-process ranks (torch.multiprocessing + gloo)

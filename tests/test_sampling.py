@@ -92,6 +92,42 @@ def test_sampling_filters_keep_top_k_and_the_nucleus():
     assert abs((full == 2).float().mean() - probs[2]) < 0.03  # plain sampling follows the softmax
 
 
+def test_exponential_race_samples_the_softmax():
+    """argmax p / Exp(1) draws token v with probability p_v: frequencies over 40,000 draws are
+    within 4 standard errors of the softmax, for every token."""
+    logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0]]).repeat(40_000, 1)
+    probs = logits[0].softmax(-1)
+    noise = torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(sampling._next_token(logits, 1.0, 1.0, 0, True, noise=noise), minlength=5) / 40_000
+    assert ((freq - probs).abs() <= 4 * (probs * (1 - probs) / 40_000).sqrt() + 1e-4).all(), (freq, probs)
+
+
+def test_seeded_samples_of_rank_shards_equal_the_whole_batch(tiny_qwen, monkeypatch):
+    """generate(seed=s) on N ranks, each with its contiguous shard of the prompts, samples what one
+    process samples for the whole batch (the noise of every rank's rows is drawn on each rank);
+    the same seed samples the same again, another seed something else."""
+    import parallel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    prompts = [f"POST: bob sold the car {i} . TL;DR:" for i in range(4)]
+    ids, mask = data.encode_prompts(tok, prompts)
+
+    def sample(rows, seed):
+        out, out_mask, _ = sampling.generate(model, tok, ids[rows], mask[rows], 6, 1.0, num_return_sequences=3, seed=seed)
+        return [o[m.bool()].tolist() for o, m in zip(out, out_mask)]
+
+    whole = sample(slice(0, 4), 7)
+    assert sample(slice(0, 4), 7) == whole and sample(slice(0, 4), 8) != whole
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    shards = []
+    for r in (0, 1):
+        monkeypatch.setattr(parallel, "rank", lambda r=r: r)
+        shards += sample(slice(2 * r, 2 * r + 2), 7)
+    assert shards == whole
+
+
 # ------------------------------------------------------------------ generation
 def test_generate_masks_after_eos_and_flags_truncation():
     tok = world.build_tokenizer()
