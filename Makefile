@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-rlvr test clean
+.PHONY: install demo demo-rlvr test test-lower-bounds clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -35,6 +35,17 @@ demo-rlvr: install
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests
+
+# The declared lower bounds, proven: a fresh virtualenv with every requirement at exactly its
+# lower bound (requirements.txt's >= read as ==), then the whole test suite in it. Not part of
+# `make test`; the README gives its time.
+test-lower-bounds:
+	rm -rf .venv-lower && $(PYTHON) -m venv .venv-lower
+	.venv-lower/bin/python -m pip install -q torch==$$(sed -n 's/^torch>=//p' requirements.txt)
+	sed 's/>=/==/' requirements.txt > .venv-lower/requirements-lower.txt
+	.venv-lower/bin/python -m pip install -q -r .venv-lower/requirements-lower.txt
+	.venv-lower/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|tokenizers|safetensors|bitsandbytes|peft|numpy) '
+	OMP_NUM_THREADS=1 .venv-lower/bin/python -m pytest -q -n 2 -p no:cacheprovider tests
 
 clean:
 	rm -rf runs
