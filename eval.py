@@ -64,8 +64,8 @@ Run:
     python eval.py sft=runs/sft 'grpo=runs/seed*/grpo' 'mine=runs/seed*/my_grpo'   # methods over seeds
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
-    python eval.py runs/sft_arith runs/grpo_arith --dataset embedded:arith --reward_fn arith_strict \
-        --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith        # accuracy, pass@k
+    python eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith \
+        --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith   # pass@k
 """
 
 import dataclasses

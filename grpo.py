@@ -64,7 +64,7 @@ Run:
                                                           # ... and log the samples' gold score (weight 0)
     python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
-    python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --output_dir runs/grpo_arith
+    python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
     python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """

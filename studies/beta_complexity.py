@@ -9,7 +9,7 @@ level), with the two-level bootstrap CI over seeds and prompts.
 
 This script only reads what those runs wrote: eval.py's results.json (accuracy per method and
 per level, both CIs) and each run's metrics.jsonl (the k3 KL to the reference, which grpo.py
-logs for every beta, beta 0 included, and the training reward). It prints the markdown table,
+logs for every beta but 0, which loads no reference, and the training reward). It prints the markdown table,
 and saves the plot and the numbers.
 
 Run (after the commands of STUDIES.md):
@@ -28,9 +28,10 @@ import numpy as np
 def run_metrics(folder, last):
     """Mean KL and training reward over the last `last` logged steps of one run, and its steps."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [r for r in map(json.loads, f) if "grad_norm" in r]  # training steps (not evaluations)
     tail = rows[-last:]
-    return {"kl": float(np.mean([r["kl"] for r in tail])), "train_reward": float(np.mean([r["reward"] for r in tail])),
+    kl = [r["kl"] for r in tail if "kl" in r]  # beta 0 loads no reference, so logs no KL
+    return {"kl": float(np.mean(kl)) if kl else float("nan"), "train_reward": float(np.mean([r["reward"] for r in tail])),
             "steps": rows[-1]["step"]}
 
 
@@ -72,7 +73,8 @@ def main():
           + " | - | 0 | - |")
     for r in rows:
         print(f"| {r['beta']:g} | {fmt(r['accuracy'])} | " + " | ".join(fmt(r["by_level"][lv]) for lv in levels)
-              + f" | {', '.join(f'{a:.3f}' for a in r['per_run_accuracy'])} | {r['kl']:.3f} | {r['train_reward']:.3f} |")
+              + f" | {', '.join(f'{a:.3f}' for a in r['per_run_accuracy'])} | "
+              + ("-" if np.isnan(r["kl"]) else f"{r['kl']:.3f}") + f" | {r['train_reward']:.3f} |")
 
     import matplotlib
 
