@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--eval", default="runs/eval_beta", help="eval.py's --output_dir for those runs, with --group_by level")
     parser.add_argument("--baseline", default="sft", help="the method name of the starting policy in eval.py's command")
     parser.add_argument("--last", type=int, default=20, help="steps averaged for the KL and the training reward")
-    parser.add_argument("--out", default="studies/beta_complexity", help="writes OUT.png and OUT.json")
+    parser.add_argument("--output", default="studies/beta_complexity", help="writes <output>.png and <output>.json")
     args = parser.parse_args()
 
     results = json.load(open(os.path.join(args.eval, "results.json")))
@@ -102,10 +102,10 @@ def main():
     axes[1].set_ylabel(f"KL to the SFT reference, last {args.last} steps")
     axes[1].set_title("how far the policy moved")
     fig.tight_layout()
-    fig.savefig(args.out + ".png", dpi=120)
-    with open(args.out + ".json", "w") as f:
+    fig.savefig(args.output + ".png", dpi=120)
+    with open(args.output + ".json", "w") as f:
         json.dump({"baseline": baseline, "betas": rows, "eval_settings": results["settings"]}, f, indent=2)
-    print(f"saved {args.out}.png and {args.out}.json")
+    print(f"saved {args.output}.png and {args.output}.json")
 
 
 if __name__ == "__main__":
