@@ -200,23 +200,16 @@ def parse_args(cls, default_output_dir=None):
 
 def is_embedded_policy(model):
     """Whether --model is one of the embedded worlds' tiny policies: sft.py's from-scratch model
-    (no --model), a folder whose config says `from_scratch` (scratch.build_model writes it: the
-    arithmetic world's runs/sft_arith and everything trained from it), or a folder whose tokenizer
-    is the TL;DR world's word-level one (runs/sft of earlier versions). Anything else, a Hub id or
-    a folder with another tokenizer or none (a bare config.json), is a pretrained model."""
+    (no --model) or a folder whose config says `from_scratch` (scratch.build_model writes it:
+    runs/sft, runs/sft_arith and everything trained from them). Anything else, a Hub id or a
+    folder without that key, is a pretrained model."""
     if model == "":
         return True
     config = os.path.join(model, "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            if json.load(f).get("from_scratch"):
-                return True
-    path = os.path.join(model, "tokenizer.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(config):
         return False
-    with open(path) as f:
-        vocab = json.load(f).get("model", {}).get("vocab")
-    return isinstance(vocab, dict) and set(vocab) == set(world.vocabulary())
+    with open(config) as f:
+        return bool(json.load(f).get("from_scratch"))
 
 
 def apply_defaults(args, embedded):

@@ -133,19 +133,20 @@ def check_text(ds, columns, spec):
 
 
 def check_readable(tokenizer, texts, model, spec, rows=16):
-    """Stop when most tokens of the first `rows` texts are the tokenizer's unknown token: the
-    data is in words this tokenizer cannot read (typically --dataset without --model, which
-    trains the embedded world's word-level policy on it)."""
-    unk = tokenizer.unk_token_id
+    """Stop when most tokens of the first `rows` texts are the unknown token, or single letters
+    from a tokenizer that has whole words: the data is in words this tokenizer cannot read
+    (typically --dataset without --model, which trains the embedded world's policy on it)."""
     ids = [i for t in texts[:rows] for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
-    if unk is None or not ids:
+    if not ids:
         return
-    n_unk = sum(i == unk for i in ids)
-    if n_unk > len(ids) / 2:
-        common.fail(f"{n_unk} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown ({tokenizer.unk_token}) "
+    has_words = any(len(t) > 1 and t.isalpha() for t in tokenizer.get_vocab())  # not a character-level tokenizer
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    n_bad = sum(i == tokenizer.unk_token_id or (has_words and len(p) == 1 and p.isalpha()) for i, p in zip(ids, pieces))
+    if n_bad > len(ids) / 2:
+        common.fail(f"{n_bad} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown or single letters "
              f"to the tokenizer of {model or 'the from-scratch model'} ({type(tokenizer).__name__}, {len(tokenizer)} tokens): "
              "it cannot read this text. --model is probably missing: pass the Hub id or folder of a model whose "
-             "tokenizer reads it (the default runs/sft is the embedded world's word-level policy).")
+             "tokenizer reads it (the default runs/sft is the embedded world's policy, which knows only the world's words).")
 
 
 def render_prompt(tokenizer, prompt):
@@ -296,14 +297,15 @@ def encode_prompts(tokenizer, texts, max_length=None):
 def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):
     """Right-padded completion ids (B, C) and mask, each ending with a stop token: EOS is added
     unless the text already ends with one of `stop_ids` (sampling.stop_token_ids; default: EOS
-    alone), e.g. a chat template's end-of-turn. The mask, not the ids, says where a completion
-    ends (cut at max_length, the stop token is lost)."""
+    alone), e.g. a chat template's end-of-turn, or with one and whitespace (Qwen's template
+    writes "<|im_end|>\n"). The mask, not the ids, says where a completion ends (cut at
+    max_length, the stop token is lost)."""
     eos = tokenizer.eos_token_id
     stops = set(stop_ids or [eos])
     seqs = []
     for t in texts:
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
-        if not ids or ids[-1] not in stops:
+        if not _ends_with_stop(tokenizer, ids, stops):
             ids = ids + [eos]
         seqs.append(ids[:max_length] if max_length else ids)
     return _pad(seqs, tokenizer.pad_token_id, left=False)
@@ -321,12 +323,22 @@ def encode_turns(tokenizer, turns, max_length=None, stop_ids=None):
         for text, is_trained in segments:  # each segment encoded alone, as prompt and completion are
             t = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids, train = ids + t, train + [int(is_trained)] * len(t)
-        if not ids or ids[-1] not in stops:
+        if not _ends_with_stop(tokenizer, ids, stops):
             ids, train = ids + [eos], train + [1]
         seqs.append(ids[:max_length] if max_length else ids)
         trained.append(train[:max_length] if max_length else train)
     ids, mask = _pad(seqs, tokenizer.pad_token_id, left=False)
     return ids, mask, _pad(trained, 0, left=False)[0] * mask
+
+
+def _ends_with_stop(tokenizer, ids, stops):
+    """Whether `ids` end with a stop token, possibly followed by whitespace tokens."""
+    for k in range(len(ids) - 1, -1, -1):
+        if ids[k] in stops:
+            return True
+        if tokenizer.decode(ids[k:k + 1]).strip():
+            return False
+    return False
 
 
 def _has_bos(tokenizer, text):

@@ -314,7 +314,7 @@ def answer_token_ids(tokenizer, letter):
     ids = set()
     for text in (letter, " " + letter):
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(toks) == 1 and toks[0] != tokenizer.unk_token_id:
+        if len(toks) == 1 and tokenizer.decode(toks) == text:  # not <unk>, nor " " with the letter dropped
             ids.add(toks[0])
     return sorted(ids)
 

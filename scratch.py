@@ -1,56 +1,60 @@
 """A tiny from-scratch model for any dataset: a small Qwen2 and a tokenizer fitted to the text.
 
-Both embedded worlds train one (world.py: the summarization world's fixed word vocabulary;
+Both embedded worlds train one (world.py: the summarization world's fixed word list;
 world_arith.py: characters), and `python sft.py --dataset data.jsonl` (no --model) builds one
-for a user's own data. Two tokenizers, both saved as one `tokenizer.json`:
+for a user's own data. Both tokenizers are byte-level BPEs laid out exactly as Qwen2's (its NFC
+normaliser, its pre-tokenizer regex + ByteLevel, its ByteLevel decoder, no unknown token).
+transformers 5's `AutoTokenizer` loads any `qwen2` folder as `Qwen2Tokenizer`, which rebuilds
+these parts from the saved vocabulary and merges, so plain `AutoTokenizer.from_pretrained(folder)`
+(TRL, vLLM, lm-eval) encodes and decodes exactly as the scripts here do. Pad and EOS are distinct
+special tokens, so masks and stop tokens never depend on each other.
 
-- **char**: one token per character (per byte-level symbol: for ASCII text, per character),
-  built as a byte-level BPE without merges, with Qwen2's own normaliser, pre-tokenizer and
-  decoder. transformers 5's `AutoTokenizer` loads any `qwen2` folder as `Qwen2Tokenizer`, which
-  rebuilds exactly these parts from the saved vocabulary, so plain
-  `AutoTokenizer.from_pretrained(folder)` loads it exactly as saved. Like Qwen2's, its BPE has
-  no unknown token: a character absent from the fitted text is dropped when encoding (the
-  arithmetic world's splits share their 16 characters; fit a user dataset on all of its text);
-- **word**: one token per whitespace-separated word (WordLevel, unknown words -> `<unk>`).
-  `Qwen2Tokenizer` cannot express it, so `AutoTokenizer` would rebuild it wrongly for a qwen2
-  folder: load it with `common.load_tokenizer` (or `TokenizersBackend.from_pretrained`), as every
-  script here does.
-
-Pad and EOS are distinct tokens, so masks and stop tokens never depend on each other.
+- **char**: one token per character (per byte-level symbol: for ASCII text, per character), a
+  BPE without merges over the symbols that occur in the text. Like Qwen2's, it has no unknown
+  token: a character absent from the fitted text is dropped when encoding (the arithmetic
+  world's splits share their 16 characters; fit a user dataset on all of its text);
+- **word**: one token per word. The alphabet is all 256 bytes, so any text encodes, and merges
+  are learned (tokenizers' BpeTrainer, deterministic) until every pre-token of the fitted text
+  -- a word with its leading space, " carol", or a run of punctuation, " .\n" -- is one token.
+  Text outside the fitted words falls back to shorter pieces, down to single bytes.
 """
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]  # word level
-CHAR_SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]  # <unk> is never produced: every symbol of the text is in
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]  # <unk> is never produced (Qwen2's BPE has no unknown token)
 MAX_LENGTH = 256  # model_max_length and max_position_embeddings of the tiny model
 
 
-def word_tokenizer(words):
-    """A word-level tokenizer: SPECIAL_TOKENS, then `words` in the order given."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _qwen2_layout(merges_or_vocab):
+    """A BPE tokenizer with Qwen2's normaliser, pre-tokenizer and decoder (Qwen2Tokenizer.__init__)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    vocab = {w: i for i, w in enumerate(SPECIAL_TOKENS + [w for w in words if w not in SPECIAL_TOKENS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok = Tokenizer(models.BPE(**merges_or_vocab, dropout=None, unk_token=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def word_tokenizer(texts):
+    """A byte-level BPE whose merges make every pre-token of `texts` one token (module docstring)."""
+    from tokenizers import pre_tokenizers, trainers
+
+    tok = _qwen2_layout({})
+    trainer = trainers.BpeTrainer(vocab_size=1 << 20, min_frequency=0, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # merges until none is left
+    tok.train_from_iterator(texts, trainer)
     return _wrap(tok)
 
 
 def char_tokenizer(texts):
-    """A character-level tokenizer over the byte-level symbols that occur in `texts`, laid
-    out as Qwen2Tokenizer rebuilds it (see the module docstring)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    """A character-level tokenizer over the byte-level symbols that occur in `texts`."""
+    from tokenizers import pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     symbols = sorted({s for text in texts for piece, _ in byte_level.pre_tokenize_str(text) for s in piece})
-    vocab = {t: i for i, t in enumerate(CHAR_SPECIAL_TOKENS + symbols)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], dropout=None, unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-                                                 byte_level])
-    tok.decoder = decoders.ByteLevel()
-    return _wrap(tok)
+    return _wrap(_qwen2_layout({"vocab": {t: i for i, t in enumerate(SPECIAL_TOKENS + symbols)}, "merges": []}))
 
 
 def _wrap(tok):
@@ -63,11 +67,9 @@ def _wrap(tok):
 
 
 def fit_tokenizer(texts, level):
-    """A `level` ('char' or 'word') tokenizer fitted to `texts`: every character, or every
-    whitespace-separated word (in order of first appearance), that they contain."""
-    if level == "char":
-        return char_tokenizer(texts)
-    return word_tokenizer(list(dict.fromkeys(w for text in texts for w in text.split())))
+    """A `level` ('char' or 'word') tokenizer fitted to `texts`: one token for every character,
+    or for every word, that they contain."""
+    return char_tokenizer(texts) if level == "char" else word_tokenizer(texts)
 
 
 def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):

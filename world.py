@@ -28,7 +28,7 @@ import re
 from datasets import Dataset
 
 import scratch
-from scratch import SPECIAL_TOKENS, build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
+from scratch import build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
 
 # ---------------------------------------------------------------- lexicon
 PEOPLE = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar".split()
@@ -327,13 +327,17 @@ def probe_pairs(split, seed=0):
 
 # ---------------------------------------------------------------- tokenizer and tiny model
 def vocabulary():
+    """Every word the world writes, sorted."""
     words = set(PEOPLE + ACTIONS + OBJECTS + PLACES + ADJECTIVES)
     for text in FILLER + MENTIONS + FACT_TEMPLATES + ["yesterday today tonight on monday friday last week"]:
         words.update(w for w in text.split() if "{" not in w)
     words.update(["POST:", "TL;DR:", ".", "?", "!", "really", "finally", "i", "think", "at", "the"])
-    return SPECIAL_TOKENS + sorted(words)
+    return sorted(words)
 
 
 def build_tokenizer():
-    """A word-level Hugging Face tokenizer for the world (scratch.py); pad and EOS are distinct tokens."""
-    return scratch.word_tokenizer(vocabulary())
+    """The world's tokenizer (scratch.word_tokenizer): a byte-level BPE in Qwen2's layout in which
+    every word of the world, with or without its leading space, and a sentence end before the
+    newline (" .\n") is one token, so `AutoTokenizer` loads it exactly; pad and EOS are distinct."""
+    words = vocabulary()
+    return scratch.word_tokenizer(words + [" " + w for w in words] + [f" {p}\n" for p in ".?!"])

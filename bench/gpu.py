@@ -79,7 +79,7 @@ def build_tokenizer(vocab_size):
 
     import world
 
-    words = world.vocabulary()
+    words = ["<pad>", "<eos>", "<unk>"] + world.vocabulary()
     words += [f"w{i}" for i in range(vocab_size - len(words))]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -20,6 +20,14 @@ CHAT_TEMPLATE = (
 )
 
 
+def chat_tokenizer():
+    """The world's tokenizer with role tokens and CHAT_TEMPLATE: an instruct model's tokenizer in small."""
+    tok = world.build_tokenizer()
+    tok.add_tokens(["<|system|>", "<|user|>", "<|assistant|>"], special_tokens=True)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def run_script(*argv, timeout=600, check=True):
     """Run one of the project's scripts as a user would, in a subprocess."""
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
@@ -35,8 +43,7 @@ def tiny_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_llama")
-    tok = world.build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)

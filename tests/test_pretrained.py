@@ -38,5 +38,5 @@ def test_the_embedded_policy_keeps_its_tuned_defaults_and_flags_win(monkeypatch,
 def test_text_the_tokenizer_cannot_read_is_refused():
     tok = world.build_tokenizer()
     data.check_readable(tok, ["POST: alice bought the bike .\nTL;DR:"], "runs/sft", "embedded")  # its own words
-    with pytest.raises(SystemExit, match="unknown .* to the tokenizer of runs/sft .*--model is probably missing"):
+    with pytest.raises(SystemExit, match="unknown or single letters to the tokenizer of runs/sft .*--model is probably missing"):
         data.check_readable(tok, ["What is 10 plus 4? ", "What is 3 plus 5? "], "runs/sft", "math.jsonl")

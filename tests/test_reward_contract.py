@@ -7,7 +7,7 @@ dpo.py --online and eval.py."""
 from types import SimpleNamespace
 
 import torch
-from conftest import CHAT_TEMPLATE
+from conftest import chat_tokenizer
 
 import common
 import data
@@ -17,7 +17,6 @@ import grpo
 import ppo
 import reward
 import sampling
-import world
 
 REWARD_FN = '''
 SEEN = []
@@ -34,8 +33,7 @@ def shape(prompts, completions, **columns):
 def test_every_script_scores_a_completion_alike(tmp_path):
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    tok = world.build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer()
     rm_path = str(tmp_path / "rm")
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
@@ -50,7 +48,7 @@ def test_every_script_scores_a_completion_alike(tmp_path):
     prompts = ["POST: alice bought the bike .\nTL;DR:", [{"role": "user", "content": "POST: bob lost the phone ."}]]
     c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", "bob lost phone ."])
     texts = sampling.decode_completions(tok, c_ids, c_mask, torch.tensor([False, False]))
-    assert texts == ["alice bought bike .", "bob lost phone ."]  # no EOS, no space added, nothing stripped
+    assert texts == [" alice bought bike .", "bob lost phone ."]  # the text itself: no EOS, nothing added or stripped
     columns = {"post": ["alice bought the bike .", "bob lost the phone ."]}
     args = SimpleNamespace(eval_batch_size=8, max_prompt_length=512, reward_model=rm_path, reward_fn=spec, reward_weights="",
                            dtype="float32", attn_implementation="sdpa", trust_remote_code=False)

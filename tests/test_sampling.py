@@ -186,9 +186,12 @@ def test_stop_token_ids_are_the_union_of_eos_and_the_generation_config():
 
 def test_a_completion_ending_in_a_stop_token_gets_no_extra_eos():
     tok = world.build_tokenizer()
-    stop = tok.convert_tokens_to_ids("<|assistant|>")  # stands for an end-of-turn token such as <|eot_id|>
-    ids, mask = data.encode_completions(tok, [" alice . <|assistant|>", " alice ."], stop_ids=[tok.eos_token_id, stop])
-    assert ids[0, :3].tolist() == [tok.convert_tokens_to_ids("alice"), tok.convert_tokens_to_ids("."), stop]
+    tok.add_tokens(["<|end|>"], special_tokens=True)  # stands for an end-of-turn token such as <|eot_id|>
+    stop = tok.convert_tokens_to_ids("<|end|>")
+    ids, mask = data.encode_completions(tok, [" alice .<|end|>", " alice ."], stop_ids=[tok.eos_token_id, stop])
+    assert ids[0, :3].tolist() == [tok.convert_tokens_to_ids("Ġalice"), tok.convert_tokens_to_ids("Ġ."), stop]
     assert mask.sum(1).tolist() == [3, 3] and ids[1, 2] == tok.eos_token_id
-    ids, mask = data.encode_completions(tok, [" alice . <|assistant|>"])  # EOS alone stops: EOS is added
+    ids, mask = data.encode_completions(tok, [" alice .<|end|>"])  # EOS alone stops: EOS is added
     assert ids[0].tolist()[-2:] == [stop, tok.eos_token_id]
+    ids, mask = data.encode_completions(tok, [" alice .<|end|>\n"], stop_ids=[stop])  # Qwen's "<|im_end|>\n"
+    assert ids[0].tolist()[-2:] == [stop, tok.convert_tokens_to_ids("Ċ")] and mask.sum() == 4

@@ -1,5 +1,5 @@
 """The from-scratch builder: tokenizers fitted to a dataset, saved folders that load exactly as
-built (plain AutoTokenizer for the character level, the project's loader for both), a saved model
+built (plain AutoTokenizer, as TRL, vLLM and lm-eval load them, and the project's loader), a saved model
 that reloads with the same log-probs; and sft.py training one on the arithmetic world, which
 eval.py then scores with the verifier (accuracy, pass@k)."""
 
@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from conftest import run_script
+from transformers import AutoTokenizer
 
 import common
 import data
@@ -34,8 +35,6 @@ def save(tmp_path, tokenizer, hidden_size=32):
 
 
 def test_char_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path, arith):
-    from transformers import AutoTokenizer
-
     tok = scratch.fit_tokenizer(texts_of(arith["sft"]), "char")
     assert len(tok) == 3 + 16  # <pad> <eos> <unk> + "0-9 +=:AQ" and the space
     save(tmp_path, tok)
@@ -56,18 +55,39 @@ def test_char_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path, arith):
 def test_word_tokenizer_fitted_to_a_dataset(tmp_path):
     texts = ["POST: a cat sat . TL;DR:", " cat sat .", "Q: what ?", " nothing ."]
     tok = scratch.fit_tokenizer(texts, "word")
-    assert tok.convert_ids_to_tokens(list(range(6, len(tok)))) == ["POST:", "a", "cat", "sat", ".", "TL;DR:", "Q:", "what", "?", "nothing"]
+    assert tok.convert_ids_to_tokens(tok(" cat sat .")["input_ids"]) == ["Ġcat", "Ġsat", "Ġ."]  # a word: one token
+    assert len(tok("POST: a cat")["input_ids"]) == 4  # POST : Ġa Ġcat
+    assert len(tok(" dog")["input_ids"]) > 1  # an unseen word: smaller pieces, never <unk>
     save(tmp_path, tok)
-    ours = common.load_tokenizer(str(tmp_path))  # plain AutoTokenizer would rebuild it as a byte-level BPE
-    assert [ours(t)["input_ids"] for t in texts] == [tok(t)["input_ids"] for t in texts]
-    assert ours("a dog")["input_ids"] == [tok.convert_tokens_to_ids("a"), tok.unk_token_id]
-    # the summarization world's tokenizer is this builder with the world's own vocabulary, unchanged
-    assert world.build_tokenizer().get_vocab() == scratch.word_tokenizer(world.vocabulary()).get_vocab()
-    assert world.build_tokenizer().convert_ids_to_tokens([0, 1, 6]) == ["<pad>", "<eos>", "!"]
+    auto = AutoTokenizer.from_pretrained(tmp_path)  # Qwen2Tokenizer, rebuilt from vocab and merges
+    ours = common.load_tokenizer(str(tmp_path))
+    unseen = ["a dog ate 3 ünïcode bytes\n\nTL;DR:", "  two  spaces"]
+    for t in (auto, ours):
+        assert [t(x)["input_ids"] for x in texts + unseen] == [tok(x)["input_ids"] for x in texts + unseen]
+        assert [t.decode(tok(x)["input_ids"]) for x in texts + unseen] == texts + unseen
+
+
+def test_the_world_tokenizer_loads_exactly_through_auto_tokenizer(tmp_path):
+    """The TL;DR world's runs/sft: AutoTokenizer (what TRL, vLLM and lm-eval call) encodes the
+    world's text exactly as the scripts' loader does, one token per word."""
+    tok = world.build_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    save(tmp_path, tok)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    ours = common.load_tokenizer(str(tmp_path))
+    w = world.build_world()
+    texts = [r["prompt"] + r["completion"] for r in w["sft"].select(range(200))]
+    texts += [r["prompt"] + r["chosen"] for r in w["prefs"].select(range(100))]
+    for t in (auto, ours):
+        assert (t.eos_token_id, t.pad_token_id, len(t)) == (tok.eos_token_id, tok.pad_token_id, len(tok))
+        assert [t(x)["input_ids"] for x in texts] == [tok(x)["input_ids"] for x in texts]
+    assert all(len(tok(" " + v)["input_ids"]) == 1 for v in world.vocabulary() if v not in ("POST:", "TL;DR:"))
+    completion = w["test"][0]["reference"]
+    assert auto.decode(tok(completion)["input_ids"] + [tok.eos_token_id], skip_special_tokens=True) == completion
 
 
 def test_saved_model_reloads_with_the_same_logprobs(tmp_path, arith):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tok = scratch.fit_tokenizer(texts_of(arith["sft"]), "char")
     model = save(tmp_path, tok, hidden_size=64).eval()

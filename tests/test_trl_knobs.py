@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, run_script
+from conftest import chat_tokenizer, run_script
 
 import checkpoints
 import common
@@ -133,8 +133,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 
 # ------------------------------------------------------------------ multi-turn SFT
 def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path):
-    tok = world.build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    tok = chat_tokenizer()
     u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
     msgs = [u("alice bought the bike"), a("alice bought bike ."), u("what did bob do ?"), a("bob lost phone ."),
             u("so ?"), a("nice .")]
@@ -149,8 +148,9 @@ def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path):
     trained = [tok.convert_ids_to_tokens(t) for t, k in zip(ids[0].tolist(), loss_mask[0].tolist()) if k]
     masked = [tok.convert_ids_to_tokens(t) for t, m, k in zip(ids[0].tolist(), mask[0].tolist(), loss_mask[0].tolist())
               if m and not k]
-    assert trained == "alice bought bike . <eos> bob lost phone . <eos> nice . <eos>".split()
-    assert masked == "<|user|> what did bob do ? <|assistant|> <|user|> so ? <|assistant|>".split()
+    # (the template writes a space around each turn, which the byte-level tokenizer keeps as "Ġ")
+    assert trained == "Ġalice Ġbought Ġbike Ġ. Ġ <eos> Ġ Ġbob Ġlost Ġphone Ġ. Ġ <eos> Ġ Ġnice Ġ. Ġ <eos> Ġ".split()
+    assert masked == "<|user|> Ġwhat Ġdid Ġbob Ġdo Ġ? Ġ <|assistant|> <|user|> Ġso Ġ? Ġ <|assistant|>".split()
     # prompt + completion rows: every completion token (and EOS) is trained, as before
     plain_ids, plain_mask = data.encode_completions(tok, [" bike ."])
     assert torch.equal(ids[1, :plain_ids.shape[1]], plain_ids[0]) and torch.equal(loss_mask[1, :plain_ids.shape[1]], plain_mask[0])
@@ -200,8 +200,8 @@ def test_small_knobs(monkeypatch, tmp_path, capsys):
 
     args = _parse(monkeypatch, sft.Args, "--chat_template_kwargs", '{"enable_thinking": false}', "--num_train_epochs", "2.5")
     assert common.CHAT_TEMPLATE_KWARGS == {"enable_thinking": False}
-    tok = world.build_tokenizer()
-    tok.chat_template = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + CHAT_TEMPLATE
+    tok = chat_tokenizer()
+    tok.chat_template = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}" + tok.chat_template
     assert data.render_prompt(tok, [{"role": "user", "content": "x"}]).startswith("NOTHINK ")
     data.set_max_steps(args, 10, 4)  # ceil(2.5 * 10 / 4)
     assert args.max_steps == 7
