@@ -99,9 +99,13 @@ def main():
     parser.add_argument("--algos", default="grpo,dpo", help="Comma-separated: grpo, dpo.")
     parser.add_argument("--workdir", default="/tmp/bench_trl_quality", help="Data, logs and run folders.")
     parser.add_argument("--output", default=os.path.join(ROOT, "bench", "results_trl_quality.json"), help="Results JSON.")
+    parser.add_argument("--max_steps", type=int, default=0, help="Override both algorithms' steps (a quick check of the setup; 0: the settings above).")
     parser.add_argument("--trl_worker", nargs=3, metavar=("ALGO", "SFT", "DATA"), help=argparse.SUPPRESS)
     parser.add_argument("--trl_out", default="", help=argparse.SUPPRESS)
     cli = parser.parse_args()
+    if cli.max_steps:
+        for settings in SETTINGS.values():
+            settings["max_steps"] = cli.max_steps
     if cli.trl_worker:  # the TRL side of one run, inside the TRL venv
         algo, sft, data = cli.trl_worker
         return run_trl(algo, sft, data, cli.trl_out)
@@ -121,7 +125,8 @@ def main():
             if side == "ours":
                 cmd = ours_command(algo, sft, data, out)
             else:
-                cmd = [cli.trl_python, os.path.abspath(__file__), "--trl_worker", algo, sft, data, "--trl_out", out]
+                cmd = [cli.trl_python, os.path.abspath(__file__), "--trl_worker", algo, sft, data, "--trl_out", out,
+                       "--max_steps", str(cli.max_steps)]
             wall, cpu = timed(cmd, env, out + ".log")
             results.setdefault(algo, {})[side] = {"wall_seconds": wall, "cpu_seconds": cpu}
             policies.append(f"{side}_{algo}={out}")

@@ -25,10 +25,15 @@ def test_sft_from_scratch_on_the_embedded_world(tmp_path):
     assert 0.5 < summary["label_ceiling"] < 1 and summary["demo_gold"] < 1
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import common
+    import world
+
+    texts = [r["prompt"] + r["completion"] for r in world.build_world()["sft"].select(range(50))]
     for folder in (out, os.path.join(out, "checkpoint-3"), os.path.join(out, "checkpoint-6")):
         model = AutoModelForCausalLM.from_pretrained(folder)
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder)  # as TRL, vLLM and lm-eval load it: the scripts' tokens
         assert tok.pad_token_id != tok.eos_token_id
+        assert tok(texts)["input_ids"] == common.load_tokenizer(folder)(texts)["input_ids"]
         assert model.config.model_type == "qwen2"
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
 
@@ -44,10 +49,14 @@ def test_sft_any_model_on_conversational_jsonl(tmp_path, tiny_llama):
     proc = run_script("sft.py", "--model", tiny_llama, "--dataset", str(data), "--output_dir", out,
                       "--max_steps", "4", "--batch_size", "4", "--learning_rate", "1e-3")
     assert "12 examples" in proc.stdout
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import common
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "llama"
+    text = "<|user|> POST: alice bought the bike . TL;DR: <|assistant|> alice bought bike . <eos> "
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == common.load_tokenizer(out)(text)["input_ids"]
     assert json.load(open(os.path.join(out, "summary.json")))["final_loss"] > 0
     before = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)
