@@ -24,7 +24,8 @@ Departures from the paper and from TRL:
   (it *is* the reference then), so with precompute on no second model is ever loaded: peak
   memory holds one model's weights, not two for a while. TRL loads a reference and drops it.
   (TRL names this flag precompute_ref_log_probs.)
-- `--rpo_alpha` adds RPO's NLL term on the chosen responses (off by default, as in TRL).
+- `--rpo_alpha` adds RPO's NLL term on the chosen responses (off by default, as in TRL; on for
+  the embedded world's policy, below).
 - `ipo` uses per-token mean log-probs, as TRL does (Azar et al. 2023 leave this open); `sigmoid`
   and `robust` use sums, as in the DPO paper.
 - Online: pairs whose two samples get equal scores carry no preference; they are skipped and
@@ -33,8 +34,10 @@ Departures from the paper and from TRL:
 - Defaults: TRL's for a pretrained model (lr 5e-7; online 64 new tokens at temperature 0.9).
   With no arguments, it trains the from-scratch policy in runs/sft on the embedded world, with
   values tuned for that tiny model (common.apply_defaults): lr 1e-5 offline (larger steps on
-  the noisy labels lower its greedy gold score), 3e-4 online, and online samples of 48 tokens at
-  temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
+  the noisy labels lower its greedy gold score) with RPO's NLL term, rpo_alpha 1.0 (without it,
+  DPO on the annotators' pairs adds copied-wrong clauses and its greedy gold only ties the SFT
+  policy's: README), 3e-4 online, and online samples of 48 tokens at temperature 0.7: pairs
+  near the greedy mode teach what greedy decoding says.
 
 --eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the
 held-out DPO loss, reward accuracy and margin against the reference (precomputed for it too).
@@ -267,8 +270,8 @@ def main():
     args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
     # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
     # on-policy, so they take a larger step than offline ones
-    common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "max_new_tokens": 48, "temperature": 0.7,
-                                 "batch_size": 32})
+    common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "rpo_alpha": 0.0 if args.online else 1.0,
+                                 "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32})
     if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
         live_ref = args.online or not args.precompute_ref_logps
         memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",

@@ -53,7 +53,7 @@ class Args(TrainArgs):
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
     scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed (from scratch: 1500)."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (from scratch: cosine)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (from scratch: 30)."})
