@@ -9,7 +9,7 @@ Both sides get the world's splits as .jsonl files and train with:
 - GRPO: 150 steps of 8 prompts x 8 completions (TRL: per_device_train_batch_size 64), one
   optimizer step per rollout, lr 5e-5, temperature 0.7, beta 0.04, loss_type grpo, at most 32
   new tokens, the gold judge as the reward function;
-- DPO:  250 steps of 32 pairs, lr 1e-5, beta 0.1, sigmoid loss;
+- DPO:  250 steps of 32 pairs, lr 1e-5, beta 0.1, sigmoid loss, no RPO term;
 - both: torch AdamW, constant lr, no warmup, no weight decay, clip 1.0, fp32, seed 0.
 What still differs, by each project's design: TRL's DPO runs a frozen reference model every
 step (ours precomputes the reference log-probs once); sampling draws differ (each side has its
@@ -36,7 +36,8 @@ COMMON = dict(optim="adamw", lr_scheduler_type="constant", warmup_steps=0, weigh
 SETTINGS = {
     "grpo": dict(max_steps=150, batch_size=8, num_generations=8, learning_rate=5e-5, temperature=0.7, beta=0.04,
                  loss_type="grpo", max_completion_length=32),
-    "dpo": dict(max_steps=250, batch_size=32, learning_rate=1e-5, beta=0.1, loss_type="sigmoid"),
+    "dpo": dict(max_steps=250, batch_size=32, learning_rate=1e-5, beta=0.1, loss_type="sigmoid",
+                rpo_alpha=0.0),  # plain DPO: off in TRL; on by default for our embedded policy (dpo.py)
 }
 DATA = {"grpo": ("rl", ["prompt", "post"]), "dpo": ("prefs", ["prompt", "chosen", "rejected"])}
 
