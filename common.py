@@ -346,7 +346,7 @@ def load_tokenizer(name, trust_remote_code=False):
     if _saved_as_generic_tokenizer(name):
         # transformers 5's AutoTokenizer would pick the model type's class (Qwen2Tokenizer for the
         # world's tiny Qwen2) and rebuild its pre-tokenizer and decoder, breaking a custom
-        # tokenizer.json such as the world's word-level one; load it exactly as it was saved.
+        # tokenizer.json such as a word-level one (runs/sft of earlier versions); load it exactly as saved.
         from transformers import TokenizersBackend
 
         tokenizer = TokenizersBackend.from_pretrained(name)

@@ -8,9 +8,10 @@ train on every assistant turn, the user (and other) turns between them masked (T
 
 Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
-  on the embedded TL;DR world (world.py) with its word vocabulary, which is what the tests and
-  `make demo` run; on any other --dataset (the arithmetic world, a .jsonl) with a character- or
-  word-level tokenizer fitted to the training text (--scratch_tokenizer).
+  on the embedded TL;DR world (world.py) with its tokenizer (one token per word of its
+  vocabulary), which is what the tests and `make demo` run; on any other --dataset (the
+  arithmetic world, a .jsonl) with a character- or word-level tokenizer fitted to the training
+  text (--scratch_tokenizer). All are byte-level BPEs that AutoTokenizer loads exactly (scratch.py).
 - `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
@@ -38,7 +39,7 @@ from common import TrainArgs
 
 # what training the embedded world's tiny policy from scratch needs (common.apply_defaults)
 # max_steps 1500: the TL;DR world's byte-level tokenizer (633 tokens, 110 of them in its text)
-# reaches the training loss the old word-level one (112 tokens) reached in 1000 steps (README).
+# reaches the training loss the earlier word-level one (112 tokens) reached in 1000 steps (README).
 EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 30, "weight_decay": 0.01,
                      "batch_size": 32, "max_steps": 1500}
 

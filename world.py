@@ -16,7 +16,7 @@ Reddit TL;DR + human labellers in Stiennon et al. 2020:
   difference at temperature `PREF_TEMPERATURE`, so labels are noisy, the way human labels are.
 
 Everything is plain text, so any tokenizer and model can train on it; `build_tokenizer` and
-`build_model` (scratch.py) give the tiny word-level Qwen2 that the tests and `make demo` train from scratch.
+`build_model` (scratch.py) give the tiny Qwen2, one token per word, that the tests and `make demo` train from scratch.
 """
 
 import json
