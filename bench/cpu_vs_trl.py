@@ -82,6 +82,13 @@ def ours_command(algo, model, data, steps, out):
 
 def run_trl(algo, model_dir, data, steps, out):
     """Inside the venv that has TRL: train `steps` steps with TRL's trainer at our settings."""
+    trl_trainer(algo, model_dir, data, out, {**COMMON, **SETTINGS[algo], "max_steps": steps}).train()
+
+
+def trl_trainer(algo, model_dir, data, out, s):
+    """TRL's trainer for `algo` with settings `s` (our flag names: learning_rate, batch_size,
+    beta, ...; GRPO's batch_size counts prompts), torch AdamW at a constant lr, fp32 on the CPU.
+    bench/trl_quality.py builds its TRL runs with this too."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,29 +96,28 @@ def run_trl(algo, model_dir, data, steps, out):
     import trl
     import world
 
-    s = {**COMMON, **SETTINGS[algo]}
     torch.manual_seed(s["seed"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     ds = load_dataset("json", data_files=data, split="train")
-    kw = dict(output_dir=out, max_steps=steps, learning_rate=s["learning_rate"], optim="adamw_torch",
+    kw = dict(output_dir=out, max_steps=s["max_steps"], learning_rate=s["learning_rate"], optim="adamw_torch",
               lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-              logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=s["seed"],
-              gradient_accumulation_steps=1, dataloader_num_workers=0, disable_tqdm=True)
+              logging_steps=s["logging_steps"], save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+              seed=s["seed"], gradient_accumulation_steps=1, dataloader_num_workers=0, disable_tqdm=True)
     if algo == "sft":
         config = trl.SFTConfig(per_device_train_batch_size=s["batch_size"], max_length=1024, **kw)
-        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer)
-    elif algo == "dpo":
-        config = trl.DPOConfig(per_device_train_batch_size=s["batch_size"], beta=s["beta"], max_length=1024, **kw)
-        trainer = trl.DPOTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer)
-    else:
-        G = s["num_generations"]
-        config = trl.GRPOConfig(per_device_train_batch_size=s["batch_size"] * G, num_generations=G,
-                                max_completion_length=s["max_completion_length"], beta=s["beta"], loss_type="grpo",
-                                num_iterations=1, steps_per_generation=1, temperature=s["temperature"], **kw)
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=world.gold_reward, args=config, train_dataset=ds,
-                                  processing_class=tokenizer)
-    trainer.train()
+        return trl.SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer)
+    if algo == "dpo":
+        config = trl.DPOConfig(per_device_train_batch_size=s["batch_size"], beta=s["beta"],
+                               loss_type=[s.get("loss_type", "sigmoid")], max_length=1024, **kw)
+        return trl.DPOTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer)
+    G = s["num_generations"]
+    config = trl.GRPOConfig(per_device_train_batch_size=s["batch_size"] * G, num_generations=G,
+                            max_completion_length=s["max_completion_length"], beta=s["beta"],
+                            loss_type=s.get("loss_type", "grpo"), num_iterations=1, steps_per_generation=1,
+                            temperature=s["temperature"], **kw)
+    return trl.GRPOTrainer(model=model, reward_funcs=world.gold_reward, args=config, train_dataset=ds,
+                           processing_class=tokenizer)
 
 
 def timed(cmd, env, log):

@@ -29,7 +29,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from cpu_vs_trl import timed  # noqa: E402 (the same wall-clock and CPU clocks as the speed benchmark)
+from cpu_vs_trl import timed, trl_trainer  # noqa: E402 (the speed benchmark's clocks and TRL set-up)
 
 COMMON = dict(optim="adamw", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
               dtype="float32", seed=0, logging_steps=10)
@@ -60,35 +60,10 @@ def ours_command(algo, sft, data, out):
 
 
 def run_trl(algo, sft, data, out):
-    """Inside the venv that has TRL: train with TRL's trainer at the settings above, save to `out`."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import trl
-    import world
-
-    s = {**COMMON, **SETTINGS[algo]}
-    torch.manual_seed(s["seed"])
-    tokenizer = AutoTokenizer.from_pretrained(sft)  # Qwen2Tokenizer: the same ids as our loader (tests/test_scratch.py)
-    model = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32, attn_implementation="sdpa")
-    ds = load_dataset("json", data_files=data, split="train")
-    kw = dict(output_dir=out, max_steps=s["max_steps"], learning_rate=s["learning_rate"], optim="adamw_torch",
-              lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-              logging_steps=s["logging_steps"], save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-              seed=s["seed"], gradient_accumulation_steps=1, dataloader_num_workers=0, disable_tqdm=True)
-    if algo == "dpo":
-        config = trl.DPOConfig(per_device_train_batch_size=s["batch_size"], beta=s["beta"], loss_type=[s["loss_type"]],
-                               max_length=1024, **kw)
-        trainer = trl.DPOTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer)
-    else:
-        G = s["num_generations"]
-        config = trl.GRPOConfig(per_device_train_batch_size=s["batch_size"] * G, num_generations=G,
-                                max_completion_length=s["max_completion_length"], beta=s["beta"],
-                                loss_type=s["loss_type"], num_iterations=1, steps_per_generation=1,
-                                temperature=s["temperature"], **kw)
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=world.gold_reward, args=config, train_dataset=ds,
-                                  processing_class=tokenizer)
+    """Inside the venv that has TRL: train with TRL's trainer at the settings above, save to `out`.
+    The policy's tokenizer loads through plain AutoTokenizer, as Qwen2Tokenizer: the same ids as
+    our loader (tests/test_scratch.py)."""
+    trainer = trl_trainer(algo, sft, data, out, {**COMMON, **SETTINGS[algo]})
     trainer.train()
     trainer.save_model(out)  # model and tokenizer, as TRL users save them
 
