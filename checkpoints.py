@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-import common
+import basics
 import lora
 import parallel
 
@@ -38,7 +38,7 @@ def claim_output_dir(args):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            common.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it "
+            basics.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it "
                         "to end or pass another --output_dir.")
     lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
     _LOCK = lock
@@ -60,7 +60,7 @@ def check_output_dir(args):
     holds another run's model or checkpoints needs --resume or --overwrite_output_dir."""
     model = getattr(args, "model", "")
     if model and os.path.exists(model) and os.path.realpath(model) == os.path.realpath(args.output_dir):
-        common.fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
+        basics.fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
              "from; pass another --output_dir.")
     if (args.resume or args.resume_from_checkpoint or args.overwrite_output_dir or args.estimate_memory
             or not os.path.isdir(args.output_dir)):
@@ -69,7 +69,7 @@ def check_output_dir(args):
                   if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
     if held:
         what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok)
-        common.fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
+        basics.fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
              "to replace it, or another --output_dir.")
 
 
@@ -84,8 +84,8 @@ def save_checkpoint(model, tokenizer, args, folder, state=None):
                   **{f"{k}.": v for k, v in (state or {}).items()
                      if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())}}  # e.g. critic
         for prefix, tensors in models.items():
-            if (bad := common.nonfinite_tensor(tensors)) is not None:
-                common.fail(f"the weight {prefix}{bad} holds NaN/inf; not saving {folder}. The checkpoints saved so far are "
+            if (bad := basics.nonfinite_tensor(tensors)) is not None:
+                basics.fail(f"the weight {prefix}{bad} holds NaN/inf; not saving {folder}. The checkpoints saved so far are "
                      "kept: rerun with --resume to continue from the last one with a lower --learning_rate.")
         _save_folder(model, tokenizer, args, folder, state, state_dict)
         if getattr(args, "save_total_limit", 0):
@@ -172,17 +172,17 @@ def load_weights(model, folder):
         try:
             loaded.update(load_file(path))
         except Exception as e:  # noqa: BLE001 -- a torn or corrupt file: name it, offer the earlier checkpoint
-            common.fail(f"{path} cannot be read ({type(e).__name__}: {e}).{_earlier_checkpoints(folder)}")
+            basics.fail(f"{path} cannot be read ({type(e).__name__}: {e}).{_earlier_checkpoints(folder)}")
     if not loaded:
-        common.fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
-    if (bad := common.nonfinite_tensor(loaded)) is not None:
-        common.fail(f"{folder}: the weight {bad} holds NaN/inf; refusing to resume from it.{_earlier_checkpoints(folder)}")
+        basics.fail(f"{folder} holds no *.safetensors weights; pass a checkpoint folder written by --save_steps.")
+    if (bad := basics.nonfinite_tensor(loaded)) is not None:
+        basics.fail(f"{folder}: the weight {bad} holds NaN/inf; refusing to resume from it.{_earlier_checkpoints(folder)}")
     if lora.is_peft(model):  # adapters (and a trained score head), saved under peft's names
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(model, loaded)
         if result.unexpected_keys or not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-            common.fail(f"{folder} does not hold this run's adapters; resume with the same --model, --use_peft and "
+            basics.fail(f"{folder} does not hold this run's adapters; resume with the same --model, --use_peft and "
                  "--lora_* flags as the run that wrote it.")
         return
     copy_weights(model, loaded, folder)
@@ -195,7 +195,7 @@ def copy_weights(model, loaded, source):
     params = model.state_dict()
     unexpected = sorted(set(loaded) - set(params))
     if unexpected:
-        common.fail(f"{source} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
+        basics.fail(f"{source} does not match this model (unexpected weights {', '.join(unexpected[:3])}); "
              "resume with the same --model and sizes as the run that wrote it.")
     with torch.no_grad():
         for name, src in loaded.items():
@@ -296,18 +296,18 @@ def check_resume_args(args, folder, step):
         with open(path) as f:
             saved = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        common.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
+        basics.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
     if args.max_steps < step:
-        common.fail(f"--max_steps {args.max_steps} is below the step of {folder} ({step}): pass --max_steps >= {step}, "
+        basics.fail(f"--max_steps {args.max_steps} is below the step of {folder} ({step}): pass --max_steps >= {step}, "
              "or take the checkpoint as it is (eval.py reads it).")
     ours = vars(args)
     if set(saved) - set(ours) and not getattr(args, "resume_allow_changes", False):
-        common.fail(f"{folder} was written by another script (its args.json has {', '.join(sorted(set(saved) - set(ours))[:3])}, "
-             f"which {common.script_name()}.py has not); resume it with that script.")
+        basics.fail(f"{folder} was written by another script (its args.json has {', '.join(sorted(set(saved) - set(ours))[:3])}, "
+             f"which {basics.script_name()}.py has not); resume it with that script.")
     changed = [k for k in ours if k in saved and k not in RESUME_FREE and saved[k] != ours[k]]
     if changed and not getattr(args, "resume_allow_changes", False):
         k = changed[0]
-        common.fail(f"--{k} {ours[k]!r} differs from the {saved[k]!r} that {folder} was trained with"
+        basics.fail(f"--{k} {ours[k]!r} differs from the {saved[k]!r} that {folder} was trained with"
              + (f" (also: {', '.join('--' + c for c in changed[1:])})" if changed[1:] else "")
              + "; the resumed run would not end where the interrupted one would. Pass the same value, or add "
              "--resume_allow_changes to continue anyway.")
@@ -334,7 +334,7 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
     try:
         state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
-        common.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+        basics.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
     saved = check_resume_args(args, folder, state["step"])
     load_weights(model, folder)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -379,6 +379,6 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
     else:  # a different number of ranks: sampling cannot replay exactly, the data order still does
         print(f"resume: {folder} was written by {len(state['rng'])} ranks, this run has {parallel.world_size()}; "
               "random states are re-seeded, so sampling will differ from an uninterrupted run.")
-        common.set_seed(args.seed + parallel.rank() + state["step"])
+        basics.set_seed(args.seed + parallel.rank() + state["step"])
     print(f"resume: continuing from {folder} at step {state['step']}.")
     return state["step"]

@@ -1,8 +1,11 @@
-"""What every script needs to run: arguments and their defaults, loading models and tokenizers,
-the 8-bit optimizer, reward functions, the embedded worlds, and the NaN guards. No algorithm lives
-here: losses, advantages, KL and clipping stay in sft.py / reward.py / ppo.py / dpo.py / grpo.py.
+"""What every script needs to run: arguments and their defaults, loading models, tokenizers and
+references, the 8-bit optimizer, reward functions, the embedded world's gold evaluation, and the NaN
+guards. No algorithm lives here: losses, advantages, KL and clipping stay in sft.py / reward.py /
+ppo.py / dpo.py / grpo.py.
 
-The other shared modules, by reader:
+common.py stands above the modules it composes and none of them imports it (the floors are listed
+in basics.py, the ground floor, whose errors, devices, dtypes, seeds and world names common.py
+re-exports so that a script writes common.fail). The other shared modules, by reader:
 - sampling.py: log-probs, generation, reward-model scores (read it when you fork an algorithm);
 - data.py: datasets in TRL's formats, chat templates, tokenisation, the batch order;
 - tracking.py: metrics.jsonl, the console, trackers, --log_completions;
@@ -16,7 +19,6 @@ import importlib.util
 import json
 import logging
 import os
-import random
 import sys
 from dataclasses import dataclass, field
 
@@ -29,6 +31,9 @@ import parallel
 import sampling
 import world
 import world_arith
+from basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
+    ARITH, CHAT_TEMPLATE_KWARGS, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, device, embedded_world, fail,
+    freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
@@ -44,9 +49,6 @@ def _quiet_transformers():
 
 _quiet_transformers()
 
-EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
-ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
-CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 
 
 # ============================================================================ arguments
@@ -131,11 +133,6 @@ def sampling_kwargs(args, step, micro=0):
     resumed run samples again what it sampled before."""
     return {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
             "seed": (args.seed * 1_000_003 + step) * 1_009 + micro}
-
-
-def script_name():
-    """The running script's name without .py: a fork (my_grpo.py) gets its own runs/my_grpo."""
-    return os.path.splitext(os.path.basename(sys.argv[0]))[0]
 
 
 def parse_args(cls, default_output_dir=None):
@@ -301,28 +298,7 @@ def check_choice(flag, value, choices):
         fail(f"{flag} {value!r} is not one of: {', '.join(choices)}.")
 
 
-def fail(message):
-    """Stop the run with a message a person can act on (no traceback for user errors)."""
-    sys.exit(f"error: {message}")
-
-
-def set_seed(seed):
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
 # ============================================================================ models
-def device():
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def torch_dtype(name):
-    """bf16 on CUDA and fp32 on CPU unless told otherwise."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
-
-
 def attn_implementation(name):
     if name != "auto":
         return name
@@ -392,27 +368,11 @@ def check_model_source(name):
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
-    if os.path.isdir(name):  # a model folder, or an adapter folder (lora.load_adapter_folder)
+    if os.path.isdir(name):  # a model folder, or an adapter folder (lora.adapter_base)
         if not any(os.path.isfile(os.path.join(name, f)) for f in ("config.json", "adapter_config.json")):
             fail(f"{name} holds no model (no config.json): pass a folder written by save_pretrained or by one of the scripts.")
     elif not os.path.exists(name):
-        _check_hub_id(name, "model")
-
-
-def _check_hub_id(name, kind):
-    """A name that is no local path must be a Hub repo, cached or reachable: say so before anything loads."""
-    from huggingface_hub import try_to_load_from_cache
-
-    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    from huggingface_hub import HfApi
-
-    try:
-        (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
-    except Exception as e:  # noqa: BLE001 -- offline, unknown repo, gated: one sentence either way
-        fail(f"{name} is not a local {'folder' if kind == 'model' else 'file or folder'} and the Hugging Face Hub "
-             f"cannot provide it ({type(e).__name__}: {str(e)[:150]}); check the path (relative to {os.getcwd()}), "
-             "or download it while online.")
+        check_hub_id(name, "model")
 
 
 def load_model(name, args, cls=None, adapters=False, **kwargs):
@@ -432,7 +392,8 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
     check_model_source(name)
     cls = cls or AutoModelForCausalLM
     if os.path.isfile(os.path.join(name, "adapter_config.json")):  # an adapter folder (<output_dir>/adapter)
-        return lora.load_adapter_folder(name, args, cls, adapters, **kwargs)
+        base = load_model(lora.adapter_base(name), args, cls, **kwargs)
+        return lora.merge_adapter_folder(base, name, args, adapters)
     peft = adapters and args.use_peft
     if peft and (args.load_in_4bit or args.load_in_8bit):
         # QLoRA (Dettmers et al. 2023): NF4 weights, one fp32 absmax per block of 64, matmuls in --dtype
@@ -494,11 +455,13 @@ def disable_dropout(model):
     return model
 
 
-def freeze(model):
-    """A frozen copy in eval mode: no grads, dropout off."""
-    model.eval()
-    model.requires_grad_(False)
-    return model
+def reference_of(model, args):
+    """The frozen reference pi_ref: with --use_peft the policy itself, whose base is the
+    reference when its adapters are off (`lora.adapters_off`), so it costs no memory; otherwise a
+    frozen copy of --model."""
+    if lora.is_peft(model):
+        return model
+    return freeze(load_model(args.model, args))
 
 
 # ============================================================================ optimizer
@@ -529,9 +492,6 @@ def make_scheduler(optimizer, args):
 
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                          num_training_steps=args.max_steps)
-
-
-SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in optimizer_step (256 MB of fp32 weights)
 
 
 def stochastic_round_(target, source, generator=None):
@@ -692,32 +652,6 @@ def check_score_head(path):
 
 
 # ============================================================================ the embedded world
-_WORLD_CACHE = {}
-
-
-def embedded_world(seed=0):
-    """The world's datasets (built once per process; deterministic in the seed)."""
-    if seed not in _WORLD_CACHE:
-        _WORLD_CACHE[seed] = world.build_world(seed)
-    return _WORLD_CACHE[seed]
-
-
-def arith_split(spec, split, seed=0):
-    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS] (built once per process)."""
-    try:
-        levels = world_arith.parse_spec(spec)
-    except ValueError as e:
-        fail(str(e))
-    if levels is None:
-        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains) or {ARITH}:1,2 (both levels).")
-    if split not in ("sft", "rl", "test"):
-        fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only sft, rl, test): it is a world "
-             "for SFT and RL with verifiers, not for preference pairs.")
-    if (spec, seed) not in _WORLD_CACHE:
-        _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
-    return _WORLD_CACHE[spec, seed][split]
-
-
 def gold_eval(model, tokenizer, args, max_new_tokens=48, n=None):
     """Mean gold score of greedy completions on the world's held-out test split."""
     test = embedded_world()["test"]
@@ -741,11 +675,3 @@ def check_finite(name, value, step):
              "far are kept (none holds a NaN/inf weight): rerun with --resume to continue from the last one with "
              "a lower --learning_rate (the schedule keeps its step, scaled to the new peak) or --max_grad_norm, "
              "or check the data / reward function of that step.")
-
-
-def nonfinite_tensor(tensors):
-    """The name of the first tensor of a {name: tensor} dict that holds NaN or inf, else None."""
-    for name, t in tensors.items():
-        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
-            return name
-    return None

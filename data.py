@@ -11,7 +11,7 @@ import os
 
 import torch
 
-import common
+import basics
 
 
 def load_data(spec, split="train"):
@@ -33,38 +33,38 @@ def load_data(spec, split="train"):
             try:
                 rows = pq.ParquetFile(spec).metadata.num_rows
             except Exception as e:  # noqa: BLE001 -- not parquet at all
-                common.fail(f"{spec} is not a readable parquet file ({type(e).__name__}: {e}).")
+                basics.fail(f"{spec} is not a readable parquet file ({type(e).__name__}: {e}).")
             if rows == 0:
-                common.fail(f"{spec} has no rows.")
+                basics.fail(f"{spec} has no rows.")
             return load_dataset("parquet", data_files=spec, split="train")
-        common.fail(f"{spec}: unsupported file type {ext!r}; use .jsonl, .json or .parquet.")
+        basics.fail(f"{spec}: unsupported file type {ext!r}; use .jsonl, .json or .parquet.")
     if spec.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(spec):
-        common.fail(f"dataset file {spec} does not exist.")
+        basics.fail(f"dataset file {spec} does not exist.")
     if os.path.isdir(spec):  # a folder of data files: each JSONL file is checked line by line too
         for root, _, names in os.walk(spec):
             for n in sorted(names):
                 if n.endswith(".jsonl"):
                     check_jsonl(os.path.join(root, n))
     elif not os.path.exists(spec) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
-        common._check_hub_id(spec, "dataset")
+        basics.check_hub_id(spec, "dataset")
     else:
-        common.fail(f"dataset {spec} does not exist.")
+        basics.fail(f"dataset {spec} does not exist.")
     try:
         ds = load_dataset(spec, split=split)
     except ValueError as e:  # e.g. an unknown split
-        common.fail(f"dataset {spec}: {str(e)[:300]}")
+        basics.fail(f"dataset {spec}: {str(e)[:300]}")
     if len(ds) == 0:
-        common.fail(f"dataset {spec} (split {split}) has no rows.")
+        basics.fail(f"dataset {spec} (split {split}) has no rows.")
     return ds
 
 
 def training_data(args, world_split):
     """The script's --dataset: on the embedded world its `world_split` split (sft, prefs or rl),
     otherwise load_data(--dataset, --dataset_split)."""
-    if args.dataset == common.EMBEDDED:
-        return common.embedded_world(args.seed)[world_split]
-    if args.dataset.startswith(common.ARITH):
-        return common.arith_split(args.dataset, world_split, args.seed)
+    if args.dataset == basics.EMBEDDED:
+        return basics.embedded_world(args.seed)[world_split]
+    if args.dataset.startswith(basics.ARITH):
+        return basics.arith_split(args.dataset, world_split, args.seed)
     return load_data(args.dataset, args.dataset_split)
 
 
@@ -72,7 +72,7 @@ def set_max_steps(args, num_examples, examples_per_step):
     """--num_train_epochs E (TRL's): max_steps = ceil(E * examples / examples per optimizer step)."""
     if args.num_train_epochs:
         args.max_steps = max(1, math.ceil(args.num_train_epochs * num_examples / examples_per_step))
-        print(f"{common.script_name()}: --num_train_epochs {args.num_train_epochs:g} over {num_examples} examples, "
+        print(f"{basics.script_name()}: --num_train_epochs {args.num_train_epochs:g} over {num_examples} examples, "
               f"{examples_per_step} per step: {args.max_steps} steps")
 
 
@@ -88,31 +88,31 @@ def check_jsonl(path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                common.fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
+                basics.fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                common.fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
+                basics.fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
             if not isinstance(row, dict):
-                common.fail(f"{path}, line {n}: each line must be a JSON object, got {type(row).__name__}.")
+                basics.fail(f"{path}, line {n}: each line must be a JSON object, got {type(row).__name__}.")
             rows += 1
     if rows == 0:
-        common.fail(f"{path} is empty (no JSON rows, only blank lines or nothing).")
+        basics.fail(f"{path} is empty (no JSON rows, only blank lines or nothing).")
 
 
 def dataset_name(spec):
-    return "the embedded world" if spec == common.EMBEDDED else spec
+    return "the embedded world" if spec == basics.EMBEDDED else spec
 
 
 def require_columns(ds, columns, spec, hint=""):
     """Stop with a message naming the missing column and the dataset."""
     for col in columns:
         if col not in ds.column_names:
-            common.fail(f"{dataset_name(spec)} has no column {col!r} (columns: {', '.join(ds.column_names)}). {hint}".strip())
+            basics.fail(f"{dataset_name(spec)} has no column {col!r} (columns: {', '.join(ds.column_names)}). {hint}".strip())
     if len(ds) == 0:
-        common.fail(f"{dataset_name(spec)} is empty.")
+        basics.fail(f"{dataset_name(spec)} is empty.")
 
 
 def is_conversational(value):
@@ -125,10 +125,10 @@ def check_text(ds, columns, spec):
         for i, v in enumerate(ds[col]):
             # a conversation's last message is the response (or the prompt's question): empty is an error too
             if is_conversational(v) and v and not str(v[-1]["content"]).strip():
-                common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                basics.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
                      "response would train on the end-of-turn token alone. Remove the row or fill it.")
             if not ((isinstance(v, str) and v.strip()) or (is_conversational(v) and v)):
-                common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
+                basics.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: expected non-empty text or a list of "
                      f"{{role, content}} messages, got {str(v)[:80]!r}.")
 
 
@@ -143,7 +143,7 @@ def check_readable(tokenizer, texts, model, spec, rows=16):
     pieces = tokenizer.convert_ids_to_tokens(ids)
     n_bad = sum(i == tokenizer.unk_token_id or (has_words and len(p) == 1 and p.isalpha()) for i, p in zip(ids, pieces))
     if n_bad > len(ids) / 2:
-        common.fail(f"{n_bad} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown or single letters "
+        basics.fail(f"{n_bad} of the {len(ids)} tokens of the first rows of {dataset_name(spec)} are unknown or single letters "
              f"to the tokenizer of {model or 'the from-scratch model'} ({type(tokenizer).__name__}, {len(tokenizer)} tokens): "
              "it cannot read this text. --model is probably missing: pass the Hub id or folder of a model whose "
              "tokenizer reads it (the default runs/sft is the embedded world's policy, which knows only the world's words).")
@@ -154,8 +154,8 @@ def render_prompt(tokenizer, prompt):
     if isinstance(prompt, str):
         return prompt
     if not tokenizer.chat_template:
-        common.fail("conversational data needs a tokenizer with a chat template; this one has none.")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **common.CHAT_TEMPLATE_KWARGS)
+        basics.fail("conversational data needs a tokenizer with a chat template; this one has none.")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **basics.CHAT_TEMPLATE_KWARGS)
 
 
 def render_completion(tokenizer, prompt, completion):
@@ -164,10 +164,10 @@ def render_completion(tokenizer, prompt, completion):
     if isinstance(completion, str):
         return completion
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **common.CHAT_TEMPLATE_KWARGS)
-    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False, **common.CHAT_TEMPLATE_KWARGS)
+    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **basics.CHAT_TEMPLATE_KWARGS)
+    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False, **basics.CHAT_TEMPLATE_KWARGS)
     if not full.startswith(head):
-        common.fail("the chat template does not render the prompt as a prefix of prompt + completion; "
+        basics.fail("the chat template does not render the prompt as a prefix of prompt + completion; "
              "pass prompt/completion as plain strings instead.")
     return full[len(head):]
 
@@ -183,7 +183,7 @@ def render_turns(tokenizer, prompt, completion):
     msgs = prompt + completion
 
     def upto(k, gen):  # the conversation's first k messages, rendered
-        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **common.CHAT_TEMPLATE_KWARGS)
+        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **basics.CHAT_TEMPLATE_KWARGS)
 
     segments, done = [], upto(len(prompt), True)
     for k in range(len(prompt), len(msgs)):
@@ -191,7 +191,7 @@ def render_turns(tokenizer, prompt, completion):
         # after an assistant turn, the text up to the next generation prompt (if one follows) is masked
         nxt = upto(k + 1, not is_assistant and k + 1 < len(msgs) and msgs[k + 1]["role"] == "assistant")
         if not nxt.startswith(done):
-            common.fail("the chat template does not render each turn as a prefix of the next; pass prompt/completion "
+            basics.fail("the chat template does not render each turn as a prefix of the next; pass prompt/completion "
                  "as plain strings instead.")
         if len(nxt) > len(done):
             segments.append((nxt[len(done):], is_assistant))
@@ -209,15 +209,15 @@ def sft_pairs(ds, spec):
         for i, msgs in enumerate(ds["messages"]):
             first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), 0) if is_conversational(msgs) else 0
             if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
-                common.fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
+                basics.fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
                      "at least one other turn before its first assistant turn.")
             if not str(msgs[-1]["content"]).strip():
-                common.fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
+                basics.fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
                      "an empty response would train on the end-of-turn token alone. Remove the row or fill it.")
             pairs.append((msgs[:first], msgs[first:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:
-        common.fail(f"{dataset_name(spec)} is in the language-modelling format (a 'text' column); this project trains on "
+        basics.fail(f"{dataset_name(spec)} is in the language-modelling format (a 'text' column); this project trains on "
              "prompt+completion or messages, so split each row into 'prompt' and 'completion'.")
     require_columns(ds, ["prompt", "completion"], spec, "Expected prompt+completion or messages.")
     check_text(ds, ["prompt", "completion"], spec)
@@ -232,11 +232,11 @@ def preference_triples(ds, spec):
         triples = []
         for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
             if not (is_conversational(c) and is_conversational(r) and c[:-1] == r[:-1] and len(c) > 1):
-                common.fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
+                basics.fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
                      "conversations that differ only in the last turn.")
             for col, v in (("chosen", c), ("rejected", r)):
                 if not str(v[-1]["content"]).strip():
-                    common.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
+                    basics.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
                          "response would be the end-of-turn token alone. Remove the row or fill it.")
             triples.append((c[:-1], c[-1:], r[-1:]))
     else:

@@ -337,7 +337,7 @@ def main():
         if eval_texts:
             eval_ref = precompute_ref_logps(model, tokenizer, *eval_texts, args)  # (N_eval, 2)
     else:
-        ref_model = lora.reference_of(model, args)
+        ref_model = common.reference_of(model, args)
     if args.online:
         judge, judge_model = make_judge(args, embedded)
     init = {}

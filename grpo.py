@@ -340,7 +340,7 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
     # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off);
     # beta == 0 saves its memory entirely
-    ref_model = lora.reference_of(model, args) if args.beta else None
+    ref_model = common.reference_of(model, args) if args.beta else None
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations

@@ -1,27 +1,32 @@
 """LoRA and QLoRA through peft (Hu et al. 2021; Dettmers et al. 2023): adapters on a frozen (and
 optionally 4- or 8-bit) base, the reference as that same base with the adapters off (no second
-copy in memory), and the merged model a final save writes beside the adapters.
+copy in memory), and the merged model a final save writes beside the adapters. Loading a model,
+an adapter folder's base included, is common.load_model's job (common.py stands above this file).
 """
 
 import contextlib
 import json
 import os
 
+import basics
 
-import common
 
-
-def load_adapter_folder(name, args, cls, adapters=False, **kwargs):
-    """A model saved as LoRA adapters (adapter_config.json + adapter_model.safetensors): its
-    base (adapter_config.json's base_model_name_or_path, in --dtype) with the adapters merged in."""
-    from peft import PeftModel
-
+def adapter_base(name):
+    """The base an adapter folder (adapter_config.json + adapter_model.safetensors) was trained on:
+    adapter_config.json's base_model_name_or_path, which must be here or on the Hub."""
     with open(os.path.join(name, "adapter_config.json")) as f:
         base = json.load(f)["base_model_name_or_path"]
     if not base or not os.path.exists(base) and base.startswith((".", "/", "runs/")):
-        common.fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
-             "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
-    model = common.load_model(base, args, cls, **kwargs)
+        basics.fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
+                    "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
+    return base
+
+
+def merge_adapter_folder(model, name, args, adapters=False):
+    """`model` (the base of adapter folder `name`, loaded in --dtype) with those adapters merged in;
+    with `adapters` and --use_peft, fresh adapters on top to train."""
+    from peft import PeftModel
+
     model = PeftModel.from_pretrained(model, name).merge_and_unload()
     return add_adapters(model, args) if adapters and args.use_peft else model
 
@@ -40,7 +45,7 @@ def merged_model(model, args):
     for name in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, name):
             delattr(config, name)
-    base = type(inner).from_pretrained(args.model, config=config, dtype=common.torch_dtype(args.dtype),
+    base = type(inner).from_pretrained(args.model, config=config, dtype=basics.torch_dtype(args.dtype),
                                        trust_remote_code=args.trust_remote_code, use_safetensors=True)
     with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
         model.save_pretrained(tmp)
@@ -68,20 +73,11 @@ def add_adapters(model, args):
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # e.g. a --lora_target_modules name this architecture does not have
-        common.fail(f"--lora_target_modules {targets}: {e}")
+        basics.fail(f"--lora_target_modules {targets}: {e}")
 
 
 def is_peft(model):
     return model is not None and hasattr(model, "disable_adapter")
-
-
-def reference_of(model, args):
-    """The frozen reference pi_ref: with --use_peft the policy itself, whose base is the
-    reference when its adapters are off (`adapters_off`), so it costs no memory; otherwise a
-    frozen copy of --model."""
-    if is_peft(model):
-        return model
-    return common.freeze(common.load_model(args.model, args))
 
 
 @contextlib.contextmanager

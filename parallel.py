@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import common
+import basics
 
 
 def init_distributed():
@@ -48,7 +48,7 @@ def shard(items):
     N ranks x batch b see exactly the examples of 1 rank x batch N*b."""
     n, w, r = len(items), world_size(), rank()
     if n % w:
-        common.fail(f"a global batch of {n} does not split over {w} ranks; make it a multiple of the number of processes.")
+        basics.fail(f"a global batch of {n} does not split over {w} ranks; make it a multiple of the number of processes.")
     return items[r * n // w:(r + 1) * n // w]
 
 
@@ -57,7 +57,7 @@ def all_reduce(value, op="mean"):
     A collective: every rank must call it."""
     t = torch.as_tensor(value, dtype=torch.float64 if not torch.is_tensor(value) else None).detach().clone()
     if world_size() > 1:
-        t = t.to(common.device())
+        t = t.to(basics.device())
         dist.all_reduce(t)
         t = t / world_size() if op == "mean" else t
     return t if torch.is_tensor(value) else float(t)
@@ -68,8 +68,8 @@ def all_gather(t):
     global batch of a per-rank tensor. The tensor itself in a single process. A collective."""
     if world_size() == 1:
         return t
-    parts = [torch.empty_like(t, device=common.device()) for _ in range(world_size())]
-    dist.all_gather(parts, t.to(common.device()).contiguous())
+    parts = [torch.empty_like(t, device=basics.device()) for _ in range(world_size())]
+    dist.all_gather(parts, t.to(basics.device()).contiguous())
     return torch.cat(parts)
 
 
@@ -85,7 +85,7 @@ def mean_over_ranks(metrics):
     if not keys:
         return metrics
     sums = torch.tensor([[numbers.get(k, 0.0), float(k in numbers)] for k in keys], dtype=torch.float64,
-                        device=common.device())  # (K, 2): sum of values, number of ranks that logged it
+                        device=basics.device())  # (K, 2): sum of values, number of ranks that logged it
     dist.all_reduce(sums)
     out = dict(metrics)
     for k, (total, count) in zip(keys, sums.tolist()):
@@ -123,7 +123,7 @@ def distribute(model, args):
 
         layers = getattr(getattr(model, model.base_model_prefix), "layers", None) or getattr(getattr(model, model.base_model_prefix), "h", None)
         if layers is None:
-            common.fail(f"--parallel fsdp2: cannot find the decoder layers of {type(model).__name__}; use --parallel ddp.")
+            basics.fail(f"--parallel fsdp2: cannot find the decoder layers of {type(model).__name__}; use --parallel ddp.")
         for layer in layers:  # each layer is its own FSDP root: explicit resharding after every forward
             dtype = next(layer.parameters()).dtype
             if dtype == torch.float32:
@@ -139,12 +139,12 @@ def sync_gradients(params):
     already reduced). A parameter with a gradient on some ranks only counts as zero on the
     others; one with a gradient on no rank keeps none (the optimizer skips it, as in one process)."""
     params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=common.device())
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=basics.device())
     dist.all_reduce(has_grad)
     params = [p for p, h in zip(params, has_grad.tolist()) if h > 0]
-    buckets, numel = [[]], 0  # a few large messages; one fp32 bucket of common.SR_BUCKET_NUMEL at most
+    buckets, numel = [[]], 0  # a few large messages; one fp32 bucket of basics.SR_BUCKET_NUMEL at most
     for p in params:
-        if numel + p.numel() > common.SR_BUCKET_NUMEL and buckets[-1]:
+        if numel + p.numel() > basics.SR_BUCKET_NUMEL and buckets[-1]:
             buckets.append([])
             numel = 0
         buckets[-1].append(p)

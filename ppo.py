@@ -344,7 +344,7 @@ def main():
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     policy = common.load_model(args.model, args, adapters=True)
-    ref_policy = on_device(lora.reference_of(policy, args), offload_device, args.offload_frozen)
+    ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
     critic_source = args.model if args.reward_fn else args.reward_model
     if args.use_peft:  # the critic (own adapters, a trained copy of the score head) is loaded first:
         # its base doubles as R_psi. It is not centred by reward_mean: its head is the reward model's

@@ -16,7 +16,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-import common
+import basics
 import data
 import parallel
 
@@ -86,12 +86,12 @@ def check_logits(model, tokens=8):
         hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                                  use_cache=False).last_hidden_state
     except (AttributeError, TypeError, ValueError) as e:
-        common.fail(f"{arch} is not supported: its backbone cannot be run on its own to read log-probs "
+        basics.fail(f"{arch} is not supported: its backbone cannot be run on its own to read log-probs "
                     f"from the hidden states ({type(e).__name__}: {e}).")
     error = (torch.log_softmax(lm_logits(model, hidden), -1) - torch.log_softmax(expected.float(), -1)).abs().max()
     tolerance = 1e-3 if model.dtype == torch.float32 else 0.25
     if not error <= tolerance:
-        common.fail(f"{arch} is not supported: its forward transforms the LM head's logits in a way this project "
+        basics.fail(f"{arch} is not supported: its forward transforms the LM head's logits in a way this project "
                     f"does not reproduce (log-probs off by {float(error):.3g} nats), so training would optimise "
                     "another distribution than the one it samples from.")
 
@@ -250,7 +250,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     tokens = []
     for t in range(max_new_tokens):
         if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
-            common.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
+            basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
                         "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
         noise = sampling_noise(logits.shape, generator, logits.device) if do_sample else None
         token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)

@@ -9,8 +9,8 @@ import os
 import torch
 from tqdm.auto import tqdm
 
+import basics
 import checkpoints
-import common
 import data
 import parallel
 
@@ -44,7 +44,7 @@ class MetricsLogger:
                     if n == len(lines):  # torn by a kill or a full disk during the write: a step after the checkpoint
                         print(f"resume: dropped the torn last line of {self.path}.")
                         break
-                    common.fail(f"{self.path}, line {n}: not valid JSON; delete that line and resume again.")
+                    basics.fail(f"{self.path}, line {n}: not valid JSON; delete that line and resume again.")
                 if row["step"] <= start_step:
                     kept.append(line)
         self.num_tokens_before = max([json.loads(line).get("num_tokens", 0) for line in kept] or [0])
@@ -77,7 +77,7 @@ class MetricsLogger:
         """Held-out metrics (eval_*): their own line in metrics.jsonl, printed to the console."""
         metrics = self._write(step, metrics)
         if metrics is not None:
-            tqdm.write(f"{common.script_name()}: step {step}: " + ", ".join(
+            tqdm.write(f"{basics.script_name()}: step {step}: " + ", ".join(
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
 
     def _write(self, step, metrics, pbar=None):
@@ -132,7 +132,7 @@ def log_completions(args, step, prompts, completions, rewards):
 
     names = list(rewards)
     header = f"{'prompt (end)':<40} | {'completion':<50} | " + " | ".join(f"{n[:12]:>12}" for n in names)
-    lines = [f"{common.script_name()}: completions at step {step}", header, "-" * len(header)]
+    lines = [f"{basics.script_name()}: completions at step {step}", header, "-" * len(header)]
     for r in rows[:args.num_completions_to_print]:
         lines.append(f"{cell(r['prompt'], 40, tail=True)} | {cell(r['completion'], 50)} | "
                      + " | ".join(f"{r[n]:>12.4g}" for n in names))

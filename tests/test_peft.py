@@ -101,7 +101,7 @@ def test_reference_is_the_base_with_adapters_off(tiny_qwen):
     args = _args(tiny_qwen)
     model = common.load_model(tiny_qwen, args, adapters=True)
     base = common.freeze(common.load_model(tiny_qwen, args))  # a plain copy, to compare with
-    ref_model = lora.reference_of(model, args)
+    ref_model = common.reference_of(model, args)
     assert ref_model is model  # no second copy
     batch = _batch(model.config.vocab_size)
     with lora.adapters_off(ref_model):

@@ -1,0 +1,108 @@
+"""The ground floor: what every module needs and nothing else. Errors, seeds, devices and dtypes,
+the script's name, the embedded worlds' names and datasets, and two small tensor guards.
+
+It imports nothing of the project but the worlds, which import nothing above them, so every module
+may import it. The README's file table lists the floors (ground, plumbing, kit, scripts): a file
+imports only files on its own floor or below, with no loop; tests/test_imports.py checks both.
+"""
+
+import os
+import random
+import sys
+
+import torch
+
+import world
+import world_arith
+
+# ============================================================================ names
+EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
+ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
+CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
+SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in common.optimizer_step and parallel's all-reduce (256 MB of fp32 weights)
+
+
+# ============================================================================ errors, seeds, the script
+def fail(message):
+    """Stop the run with a message a person can act on (no traceback for user errors)."""
+    sys.exit(f"error: {message}")
+
+
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def script_name():
+    """The running script's name without .py: a fork (my_grpo.py) gets its own runs/my_grpo."""
+    return os.path.splitext(os.path.basename(sys.argv[0]))[0]
+
+
+def check_hub_id(name, kind):
+    """A name that is no local path must be a Hub repo, cached or reachable: say so before anything loads."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    from huggingface_hub import HfApi
+
+    try:
+        (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
+    except Exception as e:  # noqa: BLE001 -- offline, unknown repo, gated: one sentence either way
+        fail(f"{name} is not a local {'folder' if kind == 'model' else 'file or folder'} and the Hugging Face Hub "
+             f"cannot provide it ({type(e).__name__}: {str(e)[:150]}); check the path (relative to {os.getcwd()}), "
+             "or download it while online.")
+
+
+# ============================================================================ devices and dtypes
+def device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def torch_dtype(name):
+    """bf16 on CUDA and fp32 on CPU unless told otherwise."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
+def freeze(model):
+    """A frozen copy in eval mode: no grads, dropout off."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def nonfinite_tensor(tensors):
+    """The name of the first tensor of a {name: tensor} dict that holds NaN or inf, else None."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+# ============================================================================ the embedded worlds
+_WORLD_CACHE = {}
+
+
+def embedded_world(seed=0):
+    """The world's datasets (built once per process; deterministic in the seed)."""
+    if seed not in _WORLD_CACHE:
+        _WORLD_CACHE[seed] = world.build_world(seed)
+    return _WORLD_CACHE[seed]
+
+
+def arith_split(spec, split, seed=0):
+    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS] (built once per process)."""
+    try:
+        levels = world_arith.parse_spec(spec)
+    except ValueError as e:
+        fail(str(e))
+    if levels is None:
+        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains) or {ARITH}:1,2 (both levels).")
+    if split not in ("sft", "rl", "test"):
+        fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only sft, rl, test): it is a world "
+             "for SFT and RL with verifiers, not for preference pairs.")
+    if (spec, seed) not in _WORLD_CACHE:
+        _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
+    return _WORLD_CACHE[spec, seed][split]
