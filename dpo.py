@@ -442,7 +442,7 @@ def main():
         summary.update(ev)
         print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"dpo: saved to {args.output_dir}")
 
 

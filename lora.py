@@ -11,18 +11,27 @@ import os
 import common
 
 
-def load_adapter_folder(name, args, cls, adapters=False, **kwargs):
-    """A model saved as LoRA adapters (adapter_config.json + adapter_model.safetensors): its
-    base (adapter_config.json's base_model_name_or_path, in --dtype) with the adapters merged in."""
-    from peft import PeftModel
-
+def adapter_base(name):
+    """The model an adapter folder was trained on (adapter_config.json's base_model_name_or_path):
+    a model folder or Hub id, or itself an adapter folder when adapters were trained on adapters."""
     with open(os.path.join(name, "adapter_config.json")) as f:
-        base = json.load(f)["base_model_name_or_path"]
+        base = json.load(f).get("base_model_name_or_path")
     if not base or not os.path.exists(base) and base.startswith((".", "/", "runs/")):
         common.fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
              "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
-    model = common.load_model(base, args, cls, **kwargs)
+    return base
+
+
+def load_adapter_folder(name, args, cls, adapters=False, **kwargs):
+    """A model saved as LoRA adapters (adapter_config.json + adapter_model.safetensors): its
+    base (adapter_base, in --dtype; adapters on adapters are merged one stage after the other)
+    with the adapters merged in. The result is named after `name`, so adapters trained on it
+    record `name` as their base: exactly what they were trained on."""
+    from peft import PeftModel
+
+    model = common.load_model(adapter_base(name), args, cls, **kwargs)  # an adapter folder: recursively
     model = PeftModel.from_pretrained(model, name).merge_and_unload()
+    model.name_or_path = name
     return add_adapters(model, args) if adapters and args.use_peft else model
 
 
@@ -40,8 +49,11 @@ def merged_model(model, args):
     for name in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, name):
             delattr(config, name)
-    base = type(inner).from_pretrained(args.model, config=config, dtype=common.torch_dtype(args.dtype),
-                                       trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    if os.path.isfile(os.path.join(args.model, "adapter_config.json")):  # adapters on adapters: that base, merged
+        base = load_adapter_folder(args.model, args, type(inner), config=config).cpu()
+    else:
+        base = type(inner).from_pretrained(args.model, config=config, dtype=common.torch_dtype(args.dtype),
+                                           trust_remote_code=args.trust_remote_code, use_safetensors=True)
     with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
         model.save_pretrained(tmp)
         return PeftModel.from_pretrained(base, tmp).merge_and_unload()
