@@ -498,6 +498,10 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
         state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
         common.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+    missing = [k for k in ("step", "optimizer", "scheduler", "rng") if not isinstance(state, dict) or k not in state]
+    if missing:
+        common.fail(f"{folder}/trainer_state.pt has no {', '.join(missing)} (not written by save_checkpoint, or edited)."
+                    f"{_earlier_checkpoints(folder)}")
     saved = check_resume_args(args, folder, state["step"])
     load_weights(model, folder)
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -214,6 +214,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
     scores = judge(prompts2, completions, columns2).view(-1, 2).t()  # (2, B): first and second samples
+    common.check_finite("the judge's score", scores, position[0] + 1)  # a NaN would order the pair at random
     # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
     keep = scores[0] != scores[1]  # (B,)
     first_wins = scores[0] > scores[1]
