@@ -447,7 +447,7 @@ def _earlier_checkpoints(folder):
 RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_output_dir", "resume_allow_changes",
                "max_steps", "logging_steps", "save_steps", "eval_steps", "report_to", "eval_batch_size",
                "estimate_memory", "gradient_checkpointing", "attn_implementation", "parallel", "offload_frozen",
-               "learning_rate", "max_grad_norm"}
+               "learning_rate", "max_grad_norm", "log_completions", "num_completions_to_print"}
 
 
 def check_resume_args(args, folder, step):

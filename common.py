@@ -401,7 +401,7 @@ def check_lm_head(name):
 
 def check_model_source(name):
     if name == "runs/sft" and not os.path.exists(os.path.join(name, "config.json")):
-        fail("runs/sft holds no model yet: run `python sft.py` first, or pass --model.")
+        fail("runs/sft holds no model yet: run `python sft.py` first, or pass another model (--model; eval.py: a policy).")
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
