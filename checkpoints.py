@@ -258,11 +258,10 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
         if state is not None:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     except (OSError, RuntimeError) as e:  # a full disk, a folder made read-only: torch.save says RuntimeError
+        free = shutil.disk_usage(os.path.dirname(tmp) or ".").free  # before the half-written copy goes
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, RuntimeError) and "write" not in str(e).lower() and "file" not in str(e).lower():
-            raise
-        common.fail(f"cannot write {folder} ({getattr(e, 'strerror', None) or str(e)[:200]}); the half-written copy "
-                    f"was removed and {kept(args.output_dir)}")
+        reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else str(e)[:200])
+        common.fail(f"cannot write {folder} ({reason}); the half-written copy was removed and {kept(args.output_dir)}")
     old = folder.rstrip("/") + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(folder):
