@@ -173,6 +173,8 @@ def finish_run(args, summary):
                "and write it again by rerunning with --resume.")
     if parallel.is_main():
         release_output_dir()
+    if summary.get("diverged"):  # saved, but not a success (tracking.divergence)
+        common.fail(f"{summary['diverged']} The model is saved in {args.output_dir}; its summary.json says \"diverged\".")
 
 
 def check_output_dir(args):
@@ -547,4 +549,19 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
               "random states are re-seeded, so sampling will differ from an uninterrupted run.")
         common.set_seed(args.seed + parallel.rank() + state["step"])
     print(f"resume: continuing from {folder} at step {state['step']}.")
+    abandon_newer_checkpoints(args.output_dir, state["step"])
     return state["step"]
+
+
+def abandon_newer_checkpoints(output_dir, step):
+    """Resumed from an older checkpoint (--resume_from_checkpoint): the abandoned run's newer
+    checkpoints in --output_dir are renamed checkpoint-<step>.abandoned, kept but never resumed
+    from, so a later --resume continues this run, not the abandoned one."""
+    if not parallel.is_main():
+        return
+    for newer in [c for c in checkpoints(output_dir) if int(c.rsplit("-", 1)[1]) > step]:
+        shutil.rmtree(newer + ".abandoned", ignore_errors=True)
+        with writing(newer, "nothing else was changed."):
+            os.replace(newer, newer + ".abandoned")
+        print(f"resume: {newer} belongs to the abandoned run: renamed {os.path.basename(newer)}.abandoned "
+              "(kept; --resume ignores it).")

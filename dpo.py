@@ -443,6 +443,7 @@ def main():
         summary.update(ev)
         print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
+    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"dpo: saved to {args.output_dir}")
 

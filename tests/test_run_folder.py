@@ -260,3 +260,25 @@ def test_resume_may_change_logging_flags(tmp_path):
     checkpoints.check_resume_args(args, str(tmp_path), 2)
     with pytest.raises(SystemExit):
         checkpoints.check_resume_args(SimpleNamespace(**{**saved, "seed": 1}), str(tmp_path), 2)
+
+
+# ------------------------------------------------------------------ borderline, decided
+def test_a_diverged_run_says_so_and_does_not_look_like_success(tmp_path, tiny_llama, sft_data, monkeypatch, capsys):
+    """lr 1e3: the loss jumps to ~1e7, then the gradient norm is 0 and the loss looks normal again."""
+    out = tmp_path / "div"
+    msg = main_error(sft, _sft_flags(tiny_llama, sft_data, out, "--learning_rate", "1e3", "--warmup_steps", "0",
+                                     "--max_steps", "3"), monkeypatch, capsys)
+    assert "the run diverged" in msg and "grad_norm 0" in msg, msg
+    assert "diverged" in json.loads((out / "summary.json").read_text())
+    assert (out / "config.json").exists()  # saved, for inspection
+
+
+def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path, tiny_qwen, sft_data, monkeypatch):
+    out = tmp_path / "run"
+    flags = _sft_flags(tiny_qwen, sft_data, out, "--max_steps", "3", "--save_steps", "1")
+    run_main(sft, flags, monkeypatch)
+    flags[flags.index("--max_steps") + 1] = "2"  # back to step 1, and on to step 2 only
+    run_main(sft, [*flags, "--resume_from_checkpoint", str(out / "checkpoint-1")], monkeypatch)
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-2.abandoned", "checkpoint-3.abandoned"]
+    assert checkpoints.last_checkpoint(str(out)) == str(out / "checkpoint-2")  # --resume continues this run
