@@ -277,8 +277,8 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path, tiny_qwe
     out = tmp_path / "run"
     flags = _sft_flags(tiny_qwen, sft_data, out, "--max_steps", "3", "--save_steps", "1")
     run_main(sft, flags, monkeypatch)
-    flags[flags.index("--max_steps") + 1] = "2"  # back to step 1, and on to step 2 only
-    run_main(sft, [*flags, "--resume_from_checkpoint", str(out / "checkpoint-1")], monkeypatch)
+    # back to step 1, and on to step 2 only
+    run_main(sft, [*flags, "--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1")], monkeypatch)
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
         "checkpoint-1", "checkpoint-2", "checkpoint-2.abandoned", "checkpoint-3.abandoned"]
     assert checkpoints.last_checkpoint(str(out)) == str(out / "checkpoint-2")  # --resume continues this run
