@@ -17,60 +17,203 @@ import lora
 import parallel
 
 
-_LOCK = None  # the open <output_dir>/.lock of this process, held until it exits
+_LOCK = None  # the open <output_dir>/.lock of this process, held until the run ends (finish_run) or exits
+
+
+# ============================================================================ what a run folder holds
+# Every protection, resume, the eval cache and sweep.py read a run folder through these names.
+# A run's --output_dir holds: its final model (config.json + *.safetensors + tokenizer files),
+# with --use_peft its adapters (adapter/), its checkpoints (checkpoint-<step>/, each a model plus
+# trainer_state.pt and args.json), its logs (metrics.jsonl, completions.jsonl, memory.json,
+# tracker files), summary.json (written last: the run finished), sweep.py's record of the
+# settings it ran the folder with (sweep.json), and the transient files of an unfinished save.
+RUN_FILES = {"config.json", "generation_config.json", "args.json", "summary.json", "metrics.jsonl", "completions.jsonl",
+             "memory.json", "sweep.json", "trainer_state.pt", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
+             "merges.txt", "tokenizer.model", "adapter_config.json", "adapter", "final.tmp", "wandb"}
+RUN_PATTERN = r"checkpoint-\d+(\.tmp|\.old|\.abandoned)?|.*\.safetensors(\.index\.json)?|events\.out\.tfevents\..*|.*\.json\.tmp"
+
+
+def run_files(folder):
+    """The names in `folder` that a run wrote there (what --overwrite_output_dir removes), sorted."""
+    import re
+
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n in RUN_FILES or re.fullmatch(RUN_PATTERN, n))
+
+
+def run_outputs(folder):
+    """What of a run's output `folder` holds that another run must not overwrite unasked: its
+    model (config.json), its adapters (adapter/ or adapter_config.json), its checkpoints."""
+    held = [n for n in run_files(folder) if n in ("config.json", "adapter_config.json")
+            or n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))
+            or n == "adapter" and os.path.isfile(os.path.join(folder, n, "adapter_config.json"))]
+    return sorted(held)
+
+
+def describe_outputs(held):
+    """'model, adapters and checkpoints' for run_outputs' names."""
+    kinds = [w for w, ok in [("model", "config.json" in held),
+                             ("adapters", "adapter" in held or "adapter_config.json" in held),
+                             ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok]
+    return ", ".join(kinds[:-1]) + (" and " if kinds[1:] else "") + kinds[-1]
+
+
+def is_inside(path, folder):
+    """Whether `path` is `folder` or lies anywhere below it, links resolved."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+@contextlib.contextmanager
+def writing(path, kept):
+    """A write to `path` that fails for the filesystem's reasons (full disk, read-only, a missing
+    folder) ends in one sentence naming the path and `kept`, what of the run is still intact."""
+    try:
+        yield
+    except OSError as e:
+        basics.fail(f"cannot write {path} ({e.strerror or e}); {kept}")
+
+
+def _is_rank0():
+    return os.environ.get("RANK", "0") == "0"  # before torch.distributed starts, torchrun's environment says
+
+
+def _lock(output_dir):
+    """Take <output_dir>/.lock (this process may hold it already: an earlier run in-process)."""
+    import fcntl
+
+    global _LOCK
+    path = os.path.realpath(os.path.join(output_dir, ".lock"))
+    if _LOCK is not None and not _LOCK.closed and os.path.realpath(_LOCK.name) == path:
+        return _LOCK
+    if _LOCK is not None:  # an earlier run in this process, elsewhere: it has ended
+        _LOCK.close()
+    while True:
+        with writing(path, "nothing of the folder was changed; pass a writable --output_dir."):
+            lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            basics.fail(f"another run is writing to {output_dir} (it holds {output_dir}/.lock); wait for it "
+                        "to end or pass another --output_dir.")
+        # a run that ended removed the file it held: then lock the file now at this path instead
+        if os.path.exists(path) and os.path.samestat(os.fstat(lock.fileno()), os.stat(path)):
+            break
+        lock.close()
+    lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
+    _LOCK = lock
+    return lock
 
 
 def claim_output_dir(args):
     """Lock --output_dir for this run (a second live run there is refused; the OS releases the lock
     when the process exits, also after a crash), then clear what a previous run leaves behind: its
     summary.json (written after the model, so one is never stale), and with --overwrite_output_dir
-    (not resuming) its checkpoints and final model, so that a later --resume never continues
-    another run and a crash never leaves the old model looking current."""
-    import fcntl
-
-    global _LOCK
-    os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.realpath(os.path.join(args.output_dir, ".lock"))
-    if _LOCK is not None and os.path.realpath(_LOCK.name) == path:  # this process holds it already (an earlier run)
-        lock = _LOCK
-    else:
-        lock = open(path, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            basics.fail(f"another run is writing to {args.output_dir} (it holds {args.output_dir}/.lock); wait for it "
-                        "to end or pass another --output_dir.")
-    lock.seek(0), lock.truncate(), lock.write(f"{os.getpid()}\n"), lock.flush()
-    _LOCK = lock
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(args.output_dir, "summary.json"))
+    (not resuming) everything of the previous run (run_files), so that a later --resume never
+    continues another run, eval.py never reads its adapters, and a crash never leaves the old model
+    looking current. All of it goes, or (a file that cannot be moved) none of it."""
+    with writing(args.output_dir, "nothing was changed; pass a writable --output_dir."):
+        os.makedirs(args.output_dir, exist_ok=True)
+    _lock(args.output_dir)
     resuming = getattr(args, "resume", False) or getattr(args, "resume_from_checkpoint", "")
     if getattr(args, "overwrite_output_dir", False) and not resuming:
-        old = [n for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") or n == "final.tmp"
-               or n == "config.json" or n.endswith((".safetensors", ".safetensors.index.json"))]  # its final model
-        for name in old:
-            path = os.path.join(args.output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        if old:
-            print(f"--overwrite_output_dir: removed the previous run's {', '.join(sorted(old))} from {args.output_dir}.")
+        remove_run(args.output_dir)
+    summary = os.path.join(args.output_dir, "summary.json")
+    with writing(summary, "nothing else was changed; pass a writable --output_dir."), contextlib.suppress(FileNotFoundError):
+        os.remove(summary)
+
+
+def remove_run(folder):
+    """--overwrite_output_dir: move everything of the previous run into a hidden folder (one
+    rename each, undone if one fails, so the run is removed whole or not at all), then delete
+    that. A link (e.g. a checkpoint-* linked to a folder elsewhere) is removed, its target kept."""
+    old = run_files(folder)
+    if not old:
+        return
+    trash = os.path.join(folder, ".overwritten")
+    shutil.rmtree(trash, ignore_errors=True)
+    with writing(trash, f"nothing of the previous run in {folder} was removed."):
+        os.mkdir(trash)
+    moved = []
+    for name in old:
+        try:
+            os.rename(os.path.join(folder, name), os.path.join(trash, name))
+        except OSError as e:
+            for done in reversed(moved):
+                os.rename(os.path.join(trash, done), os.path.join(folder, done))
+            os.rmdir(trash)
+            basics.fail(f"--overwrite_output_dir cannot remove {os.path.join(folder, name)} ({e.strerror}); nothing of "
+                        f"the previous run in {folder} was removed: remove it yourself or pass another --output_dir.")
+        moved.append(name)
+    links = [n for n in old if os.path.islink(os.path.join(trash, n))]
+    shutil.rmtree(trash, ignore_errors=True)
+    print(f"--overwrite_output_dir: removed the previous run's {', '.join(old)} from {folder}"
+          + (f" (the links {', '.join(links)} only: what they point to is kept)" if links else "") + ".")
+
+
+def release_output_dir():
+    """Unlock and remove <output_dir>/.lock: the run has ended (a crash leaves it, and the next
+    run finds it free)."""
+    global _LOCK
+    if _LOCK is None or _LOCK.closed:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(_LOCK.name)
+    _LOCK.close()
+    _LOCK = None
+
+
+def finish_run(args, summary):
+    """The last act of a run: summary.json (which marks the folder finished), then the lock goes."""
+    write_json(os.path.join(args.output_dir, "summary.json"), summary,
+               "the final model is saved, but without summary.json the folder does not look finished: free some space "
+               "and write it again by rerunning with --resume.")
+    if parallel.is_main():
+        release_output_dir()
+    if summary.get("diverged"):  # saved, but not a success (tracking.divergence)
+        basics.fail(f"{summary['diverged']} The model is saved in {args.output_dir}; its summary.json says \"diverged\".")
 
 
 def check_output_dir(args):
-    """Before anything loads: --output_dir must not be the model it starts from, and a folder that
-    holds another run's model or checkpoints needs --resume or --overwrite_output_dir."""
+    """Before anything loads: --model must not lie inside --output_dir (any depth,
+    any link) unless the run resumes there, a folder that holds another run's model, adapters or
+    checkpoints needs --resume or --overwrite_output_dir, and the folder must be writable (it is
+    created and locked now, not after the models have loaded) with room for the model."""
+    resuming = args.resume or args.resume_from_checkpoint
     model = getattr(args, "model", "")
-    if model and os.path.exists(model) and os.path.realpath(model) == os.path.realpath(args.output_dir):
-        basics.fail(f"--output_dir {args.output_dir} is the --model folder: the run would overwrite the model it starts "
-             "from; pass another --output_dir.")
-    if (args.resume or args.resume_from_checkpoint or args.overwrite_output_dir or args.estimate_memory
-            or not os.path.isdir(args.output_dir)):
+    if model and os.path.exists(model) and is_inside(model, args.output_dir) and not resuming:
+        where = ("is the --model folder" if os.path.realpath(model) == os.path.realpath(args.output_dir)
+                 else f"holds the --model folder {model}")
+        basics.fail(f"--output_dir {args.output_dir} {where}: the run would overwrite (or with --overwrite_output_dir "
+                    "delete) the model it starts from; pass another --output_dir (or --resume to continue that run).")
+    if args.estimate_memory:
         return
-    held = sorted(n for n in os.listdir(args.output_dir)
-                  if n == "config.json" or (n.startswith("checkpoint-") and not n.endswith((".tmp", ".old"))))
-    if held:
-        what = " and ".join(w for w, ok in [("model", "config.json" in held), ("checkpoints", any(n.startswith("checkpoint-") for n in held))] if ok)
-        basics.fail(f"--output_dir {args.output_dir} holds another run's {what} ({', '.join(held[:4])}); pass --resume to continue that run, --overwrite_output_dir "
-             "to replace it, or another --output_dir.")
+    if not (resuming or args.overwrite_output_dir) and (held := run_outputs(args.output_dir)):
+        basics.fail(f"--output_dir {args.output_dir} holds another run's {describe_outputs(held)} ({', '.join(held[:4])}); "
+                    "pass --resume to continue that run, --overwrite_output_dir to replace it, or another --output_dir.")
+    if not _is_rank0():
+        return
+    with writing(args.output_dir, "nothing was written; pass a --output_dir on a writable disk."):
+        os.makedirs(args.output_dir, exist_ok=True)
+    _lock(args.output_dir)
+    saves_model = not getattr(args, "use_peft", False) or getattr(args, "merge_adapters", True)
+    need = _model_bytes(model) if saves_model and not args.overwrite_output_dir else 0  # overwriting frees room
+    free = shutil.disk_usage(args.output_dir).free
+    if need > free:
+        basics.fail(f"--output_dir {args.output_dir} has {free / 1e6:.1f} MB free, and saving a model the size of "
+                    f"--model {args.model} needs {need / 1e6:.1f} MB; free some space or pass another --output_dir.")
+
+
+def _model_bytes(model):
+    """The bytes of a local model folder's weights (0 for a Hub id): the least a final save writes."""
+    from glob import glob
+
+    if not model or not os.path.isdir(model):
+        return 0
+    return sum(os.path.getsize(f) for f in glob(os.path.join(model, "*.safetensors")))
 
 
 def save_checkpoint(model, tokenizer, args, folder, state=None):
@@ -106,21 +249,36 @@ def delete_old_checkpoints(output_dir, limit):
 def _save_folder(model, tokenizer, args, folder, state, state_dict):
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    if os.environ.get("RLHF_TEST_CRASH_WHILE_SAVING") == os.path.basename(folder.rstrip("/")):
-        os.kill(os.getpid(), 9)  # test hook (tests/test_resume.py): SIGKILL with this checkpoint half-written
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if state is not None:
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if os.environ.get("RLHF_TEST_CRASH_WHILE_SAVING") == os.path.basename(folder.rstrip("/")):
+            os.kill(os.getpid(), 9)  # test hook (tests/test_resume.py): SIGKILL with this checkpoint half-written
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if state is not None:
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    except (OSError, RuntimeError) as e:  # a full disk, a folder made read-only: torch.save says RuntimeError
+        free = shutil.disk_usage(os.path.dirname(tmp) or ".").free  # before the half-written copy goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else str(e)[:200])
+        basics.fail(f"cannot write {folder} ({reason}); the half-written copy was removed and {kept(args.output_dir)}")
     old = folder.rstrip("/") + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(folder):
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def kept(output_dir):
+    """What of a run is intact after a failed write, for error messages."""
+    found = [os.path.basename(c) for c in checkpoints(output_dir)]
+    if found:
+        return (f"the checkpoints saved so far are intact ({', '.join(found[-3:])}): free some space and rerun "
+                "with --resume to continue from the last one.")
+    return "no checkpoint had been saved: free some space (or pass another --output_dir) and run again."
 
 
 def save_final(model, tokenizer, args):
@@ -150,14 +308,20 @@ def save_final(model, tokenizer, args):
     os.rmdir(tmp)
 
 
-def write_json(path, obj):
-    """Write JSON atomically (temporary file, then rename); under torchrun, rank 0 only."""
+def write_json(path, obj, kept_note="what was written before it is intact."):
+    """Write JSON atomically (temporary file, then rename); under torchrun, rank 0 only. A full or
+    read-only disk ends in one sentence naming the file and `kept_note`."""
     if not parallel.is_main():
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f, indent=2)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        basics.fail(f"cannot write {path} ({e.strerror or e}); {kept_note}")
 
 
 def load_weights(model, folder):
@@ -284,7 +448,7 @@ def _earlier_checkpoints(folder):
 RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_output_dir", "resume_allow_changes",
                "max_steps", "logging_steps", "save_steps", "eval_steps", "report_to", "eval_batch_size",
                "estimate_memory", "gradient_checkpointing", "attn_implementation", "parallel", "offload_frozen",
-               "learning_rate", "max_grad_norm"}
+               "learning_rate", "max_grad_norm", "log_completions", "num_completions_to_print"}
 
 
 def check_resume_args(args, folder, step):
@@ -335,6 +499,10 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
         state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
         basics.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+    missing = [k for k in ("step", "optimizer", "scheduler", "rng") if not isinstance(state, dict) or k not in state]
+    if missing:
+        basics.fail(f"{folder}/trainer_state.pt has no {', '.join(missing)} (not written by save_checkpoint, or edited)."
+                    f"{_earlier_checkpoints(folder)}")
     saved = check_resume_args(args, folder, state["step"])
     load_weights(model, folder)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -381,4 +549,19 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
               "random states are re-seeded, so sampling will differ from an uninterrupted run.")
         basics.set_seed(args.seed + parallel.rank() + state["step"])
     print(f"resume: continuing from {folder} at step {state['step']}.")
+    abandon_newer_checkpoints(args.output_dir, state["step"])
     return state["step"]
+
+
+def abandon_newer_checkpoints(output_dir, step):
+    """Resumed from an older checkpoint (--resume_from_checkpoint): the abandoned run's newer
+    checkpoints in --output_dir are renamed checkpoint-<step>.abandoned, kept but never resumed
+    from, so a later --resume continues this run, not the abandoned one."""
+    if not parallel.is_main():
+        return
+    for newer in [c for c in checkpoints(output_dir) if int(c.rsplit("-", 1)[1]) > step]:
+        shutil.rmtree(newer + ".abandoned", ignore_errors=True)
+        with writing(newer, "nothing else was changed."):
+            os.replace(newer, newer + ".abandoned")
+        print(f"resume: {newer} belongs to the abandoned run: renamed {os.path.basename(newer)}.abandoned "
+              "(kept; --resume ignores it).")

@@ -362,9 +362,22 @@ def _saved_as_generic_tokenizer(name):
         return json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def check_lm_head(name):
+    """A policy is a causal LM: refuse a folder saved as a sequence classifier (reward.py's output),
+    whose language-model head transformers would make up (tied to the embeddings, or random)."""
+    config = os.path.join(name, "config.json")
+    if not os.path.isfile(config):
+        return
+    with open(config) as f:
+        architectures = json.load(f).get("architectures") or []
+    if architectures and all(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+        fail(f"{name} is a reward model ({architectures[0]}: a score head, no language-model head), so it cannot "
+             "generate; pass a language model as --model (e.g. sft.py's output) and the reward model as --reward_model.")
+
+
 def check_model_source(name):
     if name == "runs/sft" and not os.path.exists(os.path.join(name, "config.json")):
-        fail("runs/sft holds no model yet: run `python sft.py` first, or pass --model.")
+        fail("runs/sft holds no model yet: run `python sft.py` first, or pass another model (--model; eval.py: a policy).")
     looks_local = name.startswith((".", "/", "~", "runs/")) or name.count("/") > 1  # Hub ids are org/name
     if looks_local and not os.path.exists(name):
         fail(f"model folder {name} does not exist.")
@@ -401,15 +414,22 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
             load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit, bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch_dtype(args.dtype))
         kwargs["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
+    if cls is AutoModelForCausalLM:
+        check_lm_head(name)
     try:
-        model = cls.from_pretrained(
+        model, info = cls.from_pretrained(
             name, dtype=torch_dtype(args.dtype), attn_implementation=attn_implementation(args.attn_implementation),
-            trust_remote_code=args.trust_remote_code, use_safetensors=True, **kwargs,
+            trust_remote_code=args.trust_remote_code, use_safetensors=True, output_loading_info=True, **kwargs,
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # torn safetensors, no weights, a config transformers rejects
         bad = _unreadable_safetensors(name)
         fail(f"{bad or name} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
              + ("; the file is torn or corrupt: save the model again." if bad else "."))
+    if cls is AutoModelForCausalLM and info["missing_keys"]:  # transformers would start them at random
+        missing = sorted(info["missing_keys"])
+        fail(f"{name} has no weights for {', '.join(missing[:3])}{' ...' if missing[3:] else ''}, which a causal LM "
+             "needs: they would start at random. Pass a language model (e.g. sft.py's output), not a reward model "
+             "or a truncated save.")
     vocab = model.get_input_embeddings().num_embeddings
     if _TOKENIZER_SIZES.get(name, 0) > vocab:
         fail(f"{name}: the tokenizer has {_TOKENIZER_SIZES[name]} tokens but the model's embedding only {vocab}; "
@@ -574,7 +594,11 @@ def load_reward_fn(spec):
         fail(f"--reward_fn {spec!r}: file {path} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:  # the file is executed, as `python file.py` would: only pass files you trust
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's file: name it and its error
+        fail(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {str(e)[:300]}; fix the file "
+             "(it is executed when loaded) and run again.")
     if not callable(getattr(module, name, None)):
         fail(f"--reward_fn {spec!r}: {path} defines no function {name!r}.")
     return getattr(module, name)

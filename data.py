@@ -41,10 +41,7 @@ def load_data(spec, split="train"):
     if spec.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(spec):
         basics.fail(f"dataset file {spec} does not exist.")
     if os.path.isdir(spec):  # a folder of data files: each JSONL file is checked line by line too
-        for root, _, names in os.walk(spec):
-            for n in sorted(names):
-                if n.endswith(".jsonl"):
-                    check_jsonl(os.path.join(root, n))
+        check_folder(spec)
     elif not os.path.exists(spec) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
         basics.check_hub_id(spec, "dataset")
     else:
@@ -53,6 +50,9 @@ def load_data(spec, split="train"):
         ds = load_dataset(spec, split=split)
     except ValueError as e:  # e.g. an unknown split
         basics.fail(f"dataset {spec}: {str(e)[:300]}")
+    except Exception as e:  # noqa: BLE001 -- datasets' own errors (e.g. rows that do not fit one schema), named
+        basics.fail(f"dataset {spec} cannot be read as one table ({type(e).__name__}: {str(e)[:200]}); "
+                    "keep one format and one set of columns per folder.")
     if len(ds) == 0:
         basics.fail(f"dataset {spec} (split {split}) has no rows.")
     return ds
@@ -81,12 +81,46 @@ def eval_data(args):
     return load_data(args.eval_dataset, "test") if args.eval_dataset else None
 
 
+DATA_FILES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")  # what datasets reads from a folder
+
+
+def check_folder(folder):
+    """A --dataset folder: datasets reads the files of one format only and one set of columns, and
+    drops the rest without a word; refuse such a folder (and an empty one), naming the files."""
+    files = sorted(os.path.join(root, n) for root, dirs, names in os.walk(folder) for n in names
+                   if n.endswith(DATA_FILES) and not n.startswith(".") and "/." not in root[len(folder):])
+    if not files:
+        basics.fail(f"dataset folder {folder} holds no data files ({', '.join(DATA_FILES[:3])}).")
+    kinds = {}
+    for f in files:
+        kinds.setdefault(".json" if f.endswith(".jsonl") else os.path.splitext(f)[1], f)
+    if len(kinds) > 1:
+        first, second = list(kinds.values())[:2]
+        basics.fail(f"dataset folder {folder} mixes file types ({first} and {second}); datasets would read one "
+                    "type and drop the other: keep one type per folder, or pass a file.")
+    columns = {}
+    for f in files:
+        if f.endswith(".jsonl"):
+            check_jsonl(f)
+            with open(f, encoding="utf-8-sig") as fh:
+                row = next(json.loads(line) for line in fh if line.strip())
+            columns.setdefault(tuple(sorted(row)), f)
+        elif f.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            columns.setdefault(tuple(sorted(pq.read_schema(f).names)), f)
+    if len(columns) > 1:
+        (a, fa), (b, fb) = list(columns.items())[:2]
+        basics.fail(f"dataset folder {folder} mixes formats: {fa} has the columns {', '.join(a)} and {fb} has "
+                    f"{', '.join(b)}; keep one format per folder (e.g. SFT and preference files apart).")
+
+
 def check_jsonl(path):
     rows = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark is read past
             except UnicodeDecodeError as e:
                 basics.fail(f"{path}, line {n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); re-encode the file as UTF-8.")
             if not line.strip():

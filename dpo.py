@@ -214,6 +214,7 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
     scores = judge(prompts2, completions, columns2).view(-1, 2).t()  # (2, B): first and second samples
+    common.check_finite("the judge's score", scores, position[0] + 1)  # a NaN would order the pair at random
     # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
     keep = scores[0] != scores[1]  # (B,)
     first_wins = scores[0] > scores[1]
@@ -442,7 +443,8 @@ def main():
         summary.update(ev)
         print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"dpo: saved to {args.output_dir}")
 
 

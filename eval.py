@@ -84,6 +84,7 @@ import torch
 import checkpoints
 import common
 import data
+import lora
 import reports
 import sampling
 import world
@@ -431,9 +432,12 @@ def run_names(methods):
 def weights_fingerprint(path):
     """What identifies a policy's weights: a SHA-256 of the content of the folder's model files
     (weights swapped in place with the same size and mtime still change it), computed once per
-    policy and run; for a Hub id, the commit of its cached snapshot."""
+    policy and run; for a Hub id, the commit of its cached snapshot. An adapter folder's includes
+    its base's (lora.adapter_base, recursively): the adapters alone do not make the policy."""
     if os.path.isdir(path):
         digest = hashlib.sha256()
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            digest.update(weights_fingerprint(lora.adapter_base(path)).encode())
         for f in sorted(os.listdir(path)):
             if f.endswith((".safetensors", ".json", ".jinja", ".model")) and os.path.isfile(os.path.join(path, f)):
                 digest.update(f.encode() + b"\0")

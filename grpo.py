@@ -479,7 +479,7 @@ def main():
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
         print(f"grpo: test gold score {ev['gold_score']:.3f}; e.g. {ev['samples'][0]!r}")
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"grpo: {train_seconds:.0f} s of training; saved to {args.output_dir}")
 
 

@@ -12,10 +12,10 @@ import basics
 
 
 def adapter_base(name):
-    """The base an adapter folder (adapter_config.json + adapter_model.safetensors) was trained on:
-    adapter_config.json's base_model_name_or_path, which must be here or on the Hub."""
+    """The model an adapter folder was trained on (adapter_config.json's base_model_name_or_path):
+    a model folder or Hub id, or itself an adapter folder when adapters were trained on adapters."""
     with open(os.path.join(name, "adapter_config.json")) as f:
-        base = json.load(f)["base_model_name_or_path"]
+        base = json.load(f).get("base_model_name_or_path")
     if not base or not os.path.exists(base) and base.startswith((".", "/", "runs/")):
         basics.fail(f"{name} holds LoRA adapters of {base!r}, which is not here; run from the folder where "
                     "that run ran, or pass the merged model (<output_dir>/ of a run with --merge_adapters).")
@@ -23,11 +23,14 @@ def adapter_base(name):
 
 
 def merge_adapter_folder(model, name, args, adapters=False):
-    """`model` (the base of adapter folder `name`, loaded in --dtype) with those adapters merged in;
-    with `adapters` and --use_peft, fresh adapters on top to train."""
+    """`model` (the base of adapter folder `name`, loaded in --dtype by common.load_model; adapters on
+    adapters are merged one stage after the other) with those adapters merged in; with `adapters`
+    and --use_peft, fresh adapters on top to train. The result is named after `name`, so adapters
+    trained on it record `name` as their base: exactly what they were trained on."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, name).merge_and_unload()
+    model.name_or_path = name
     return add_adapters(model, args) if adapters and args.use_peft else model
 
 
@@ -45,11 +48,21 @@ def merged_model(model, args):
     for name in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, name):
             delattr(config, name)
-    base = type(inner).from_pretrained(args.model, config=config, dtype=basics.torch_dtype(args.dtype),
-                                       trust_remote_code=args.trust_remote_code, use_safetensors=True)
+    base = _plain_model(args.model, type(inner), args, config)
     with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
         model.save_pretrained(tmp)
         return PeftModel.from_pretrained(base, tmp).merge_and_unload()
+
+
+def _plain_model(name, cls, args, config):
+    """`name` as an unquantised `cls` in --dtype with `config`: a model folder or Hub id, or an adapter
+    folder (adapters on adapters: its base loaded the same way, its adapters merged in)."""
+    from peft import PeftModel
+
+    if os.path.isfile(os.path.join(name, "adapter_config.json")):
+        return PeftModel.from_pretrained(_plain_model(adapter_base(name), cls, args, config), name).merge_and_unload()
+    return cls.from_pretrained(name, config=config, dtype=basics.torch_dtype(args.dtype),
+                               trust_remote_code=args.trust_remote_code, use_safetensors=True)
 
 
 def add_adapters(model, args):

@@ -515,7 +515,7 @@ def main():
         summary.update(common.gold_eval(policy, tokenizer, args))
         print(f"ppo: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
               f"e.g. {summary['samples'][0]!r}")
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"ppo: saved to {args.output_dir}")
 
 

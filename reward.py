@@ -225,7 +225,8 @@ def main():
     # ---- final save: reward_mean travels in the config so ppo.py / grpo.py can centre rewards
     model.config.reward_mean = reward_mean
     checkpoints.save_final(model, tokenizer, args)
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"reward: saved to {args.output_dir}")
 
 

@@ -210,7 +210,8 @@ def main():
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))
         print(f"sft: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
               f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
-    checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
+    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     print(f"sft: saved to {args.output_dir}")
 
 

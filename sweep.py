@@ -8,11 +8,13 @@ the eval.py command that compares the settings as methods (runs of one setting =
   together (equal-length lists), e.g. an equal budget of completions per GRPO step;
 - everything after `--` is passed to every run unchanged (commas and all: --reward_weights 0,1);
 - run folders are DIR/<setting>/seed<S> (<setting> = the axes' flags and values, e.g.
-  num_generations4-batch_size16; the script's name when there are no axes), and each run gets
-  `--seed S --output_dir <folder>`;
-- resumable: a folder with summary.json (which every script writes last) is a finished run and
-  is skipped, so re-running the same command after a crash or Ctrl-C trains only what is missing.
-  An unfinished run starts again from step 0.
+  num_generations4-batch_size16; the script's name when there are no axes; a value with a '/'
+  gets '_' and a hash of the exact setting), and each run gets `--seed S --output_dir <folder>`;
+- resumable: a finished run (summary.json, which every script writes last) is skipped when its
+  sweep.json (written by the sweep after the run succeeded: the script and every argument) says
+  it ran with exactly these settings; a finished run of other settings (other fixed arguments
+  after `--`, say) stops the sweep with both commands. Re-running the same command after a crash
+  or Ctrl-C trains only what is missing; an unfinished run starts again from step 0.
 
 Runs are sequential, in this process's environment (set OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES
 as for one run). Any script that takes --seed and --output_dir and writes summary.json works:
@@ -25,9 +27,12 @@ Run:
     python sweep.py my_grpo.py --seeds 0,1,2 -- --model runs/sft                         # a fork
 """
 
+import hashlib
 import itertools
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -72,30 +77,80 @@ def parse(argv):
     return script, seeds, axes, zipped, output_dir, fixed
 
 
+def folder_name(script, flags, setting):
+    """A setting's folder (and eval.py method) name: its flags and values, e.g.
+    num_generations4-batch_size16. Where a value holds characters a folder name cannot (a path's
+    '/'), they become '_' and a hash of the exact setting follows, so two settings never share a folder."""
+    raw = "-".join(f"{f.lstrip('-')}{v}" for f, v in zip(flags, setting)) or os.path.splitext(os.path.basename(script))[0]
+    name = re.sub(r"[^A-Za-z0-9._+-]", "_", raw)
+    if name != raw:
+        name += "-" + hashlib.sha256(json.dumps([flags, list(setting)]).encode()).hexdigest()[:8]
+    return name
+
+
+def check_finished(run, record):
+    """Whether `run` holds a finished run (summary.json) of exactly these settings (its sweep.json,
+    written after the run succeeded); a finished run of other settings stops the sweep."""
+    if not os.path.exists(os.path.join(run, "summary.json")):
+        return False
+    try:
+        with open(os.path.join(run, "sweep.json")) as f:
+            recorded = json.load(f)
+    except FileNotFoundError:
+        fail(f"{run} holds a finished run that this sweep did not record (no sweep.json), so its settings are unknown: "
+             "delete the folder to train it here, or pass another --output_dir.")
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"{run}/sweep.json cannot be read ({e}); delete the folder to train it again.")
+    if recorded != record:
+        old, new = recorded.get("argv", []), record["argv"]
+        fail(f"{run} holds a finished run of other settings (it ran {recorded.get('script')} {' '.join(old)}; this sweep "
+             f"asks for {record['script']} {' '.join(new)}); pass another --output_dir, or delete the folder to train it again.")
+    return True
+
+
+def eval_command(output_dir, methods, fixed):
+    """The eval.py command comparing the settings: the held-out data (--eval_dataset, else the
+    training --dataset) and the judge the runs trained with (--reward_fn, --reward_model), when fixed."""
+    value = {fixed[i]: fixed[i + 1] for i in range(len(fixed) - 1) if fixed[i].startswith("--")}
+    flags = []
+    if value.get("--eval_dataset") or value.get("--dataset"):
+        flags += ["--dataset", value.get("--eval_dataset") or value["--dataset"]]
+    if value.get("--reward_fn"):
+        flags += ["--judge", "gold", "--reward_fn", value["--reward_fn"]]
+    elif value.get("--reward_model"):
+        flags += ["--judge", f"rm:{value['--reward_model']}"]
+    return ("python eval.py " + " ".join(f"'{name}={os.path.join(output_dir, name, 'seed*')}'" for name in methods)
+            + "".join(f" {shlex.quote(x)}" for x in flags))
+
+
 def main():
     script, seeds, axes, zipped, output_dir, fixed = parse(sys.argv[1:])
     flags = [flag for flag, _ in axes]
     values = [v for _, v in axes]
     settings = list(zip(*values)) if zipped and axes else list(itertools.product(*values))  # [()] without axes
+    names = [folder_name(script, flags, setting) for setting in settings]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        fail(f"two settings give the folder {twice}: pass each value of an axis once.")
     methods = {}  # setting name -> its run folders
-    for setting in settings:
-        name = "-".join(f"{f.lstrip('-')}{v}" for f, v in zip(flags, setting)) or os.path.splitext(os.path.basename(script))[0]
-        name = re.sub(r"[^A-Za-z0-9._+-]", "_", name)  # a folder name, and a method name for eval.py
+    for name, setting in zip(names, settings):
         for seed in seeds:
             run = os.path.join(output_dir, name, f"seed{seed}")
             methods.setdefault(name, []).append(run)
-            if os.path.exists(os.path.join(run, "summary.json")):
-                print(f"sweep: {run} is finished (summary.json), skipped")
+            argv = [*[x for f, v in zip(flags, setting) for x in (f, v)], *fixed, "--seed", seed, "--output_dir", run]
+            record = {"script": script, "argv": argv}  # the full settings of this run
+            if check_finished(run, record):
+                print(f"sweep: {run} is finished (summary.json, same settings), skipped")
                 continue
-            cmd = [sys.executable, script, *[x for f, v in zip(flags, setting) for x in (f, v)], *fixed,
-                   "--seed", seed, "--output_dir", run]
+            cmd = [sys.executable, script, *argv]
             print("sweep: " + " ".join(cmd[1:]), flush=True)
             code = subprocess.run(cmd, check=False).returncode  # a failure stops the sweep below, loudly
             if code != 0:
                 fail(f"{run} failed (exit code {code}); fix it and run the same command again: finished runs are skipped.")
+            with open(os.path.join(run, "sweep.json"), "w") as f:
+                json.dump(record, f, indent=2)
     # the comparison: eval.py reads NAME=PATTERN as one method whose runs are the matching folders
-    print("sweep: done. Compare the settings (add a baseline, e.g. sft=runs/sft):\n"
-          "python eval.py " + " ".join(f"'{name}={os.path.join(output_dir, name, 'seed*')}'" for name in methods))
+    print("sweep: done. Compare the settings (add a baseline, e.g. sft=runs/sft):\n" + eval_command(output_dir, methods, fixed))
 
 
 if __name__ == "__main__":

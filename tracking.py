@@ -90,7 +90,7 @@ class MetricsLogger:
                 return None
         if "num_tokens" in metrics:
             metrics["num_tokens"] += self.num_tokens_before
-        with open(self.path, "a") as f:
+        with checkpoints.writing(self.path, checkpoints.kept(os.path.dirname(self.path))), open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if pbar is not None:
             pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)}, refresh=False)
@@ -105,6 +105,28 @@ class MetricsLogger:
     def close(self):
         if self.tracker is not None:
             self.tracker.close() if hasattr(self.tracker, "add_scalar") else self.tracker.finish()
+
+
+def divergence(output_dir, factor=100.0):
+    """A run whose logged loss rose `factor`-fold above its first logged value and stays there, or
+    blew up and then sits on a zero gradient norm (destroyed weights that nothing moves any more,
+    while the loss may look normal again), is not a success: {"diverged": sentence} for
+    summary.json (checkpoints.finish_run then exits non-zero), else {}. For losses that start
+    positive and fall (sft.py, reward.py, dpo.py)."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not parallel.is_main() or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [r for r in (json.loads(line) for line in f if line.strip()) if isinstance(r.get("loss"), (int, float))]
+    if len(rows) < 2 or not rows[0]["loss"] > 0:
+        return {}
+    first, peak, last = rows[0], max(rows, key=lambda r: r["loss"]), rows[-1]
+    grad_norm = last.get("grad_norm", 1.0)
+    if last["loss"] > factor * first["loss"] or (peak["loss"] > factor * first["loss"] and grad_norm < 1e-12):
+        return {"diverged": f"the loss rose from {first['loss']:.3g} (step {first['step']}) to {peak['loss']:.3g} (step "
+                            f"{peak['step']}) and ends at {last['loss']:.3g} with grad_norm {grad_norm:.3g}: the run "
+                            "diverged and its weights are likely destroyed; rerun with a lower --learning_rate."}
+    return {}
 
 
 def window_mean(rows):

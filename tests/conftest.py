@@ -98,7 +98,13 @@ def run_main(module, argv, monkeypatch):
     """Run a script's main() in this process with this command line (cheaper than a subprocess)."""
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    module.main()
+    try:
+        module.main()
+    finally:  # as when a process exits: its <output_dir>/.lock is free again
+        import checkpoints
+
+        if checkpoints._LOCK is not None:
+            checkpoints._LOCK.close()
 
 
 def main_error(module, argv, monkeypatch, capsys):

@@ -63,7 +63,8 @@ def test_without_zip_every_combination(fake, tmp_path):
         "num_generations4-beta0", "num_generations4-beta0.04", "num_generations8-beta0", "num_generations8-beta0.04"]
     # values that are paths give folder names eval.py accepts as method names
     run_script("sweep.py", str(fake), "--model", "runs/sft,Qwen/Qwen2.5-0.5B", "--output_dir", str(out / "models"))
-    assert sorted(p.name for p in (out / "models").iterdir()) == ["modelQwen_Qwen2.5-0.5B", "modelruns_sft"]
+    names = sorted(p.name for p in (out / "models").iterdir())  # '/' -> '_' plus a hash of the exact setting
+    assert [n.rsplit("-", 1)[0] for n in names] == ["modelQwen_Qwen2.5-0.5B", "modelruns_sft"]
     run_script("sweep.py", str(fake), "--seeds", "4", "--zip", "--output_dir", str(out / "no_axes"))
     assert (out / "no_axes/fake_grpo/seed4/summary.json").exists()  # seeds alone, with or without --zip
 
@@ -77,3 +78,28 @@ def test_failures_are_loud(fake, tmp_path):
     assert proc.returncode != 0 and "same number of values" in proc.stderr
     proc = run_script("sweep.py", str(fake), "--", "--seed", "3", check=False)
     assert proc.returncode != 0 and "the sweep sets it" in proc.stderr
+
+
+def test_runs_are_named_and_checked_by_their_full_settings(fake, tmp_path):
+    """#25: a re-run with other fixed arguments is not "finished, skipped"; two values that differ
+    only in characters a folder name cannot hold get two folders; the eval command carries the
+    dataset and the judge (#24)."""
+    out = tmp_path / "sweep"
+    base = [str(fake), "--output_dir", str(out)]
+    run_script("sweep.py", *base, "--", "--max_steps", "2")
+    proc = run_script("sweep.py", *base, "--", "--max_steps", "3", check=False)
+    assert proc.returncode != 0 and "holds a finished run of other settings" in proc.stderr and "--max_steps 2" in proc.stderr
+    assert "skipped" not in proc.stdout
+    proc = run_script("sweep.py", *base, "--", "--max_steps", "2")
+    assert "skipped" in proc.stdout  # the same settings: finished
+
+    proc = run_script("sweep.py", str(fake), "--dataset", "D/a/b.jsonl,D/a_b.jsonl", "--output_dir", str(out / "d"),
+                      "--", "--reward_fn", "r.py:f")
+    runs = sorted(out.glob("d/*/seed0/summary.json"))
+    assert len(runs) == 2 and sorted(argv_of(r.parent)[1] for r in runs) == ["D/a/b.jsonl", "D/a_b.jsonl"]
+    assert "skipped" not in proc.stdout
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.endswith("--judge gold --reward_fn r.py:f")
+    proc = run_script("sweep.py", str(fake), "--output_dir", str(out / "e"), "--", "--dataset", "x.jsonl",
+                      "--eval_dataset", "y.jsonl")
+    assert proc.stdout.strip().splitlines()[-1].endswith("--dataset y.jsonl")
