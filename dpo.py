@@ -147,7 +147,7 @@ def pair_logps(model, batch, loss_type):
     return logps[:, 0], logps[:, 1]
 
 
-def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
+def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids):
     """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device;
     a completion ending in one of `stop_ids` (sampling.stop_token_ids) gets no extra EOS."""
     prompt_ids, prompt_mask = data.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
@@ -233,8 +233,9 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
 
 
 @torch.no_grad()
-def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
-    """--eval_dataset: the DPO loss, reward accuracy and margin on held-out pairs (dropout off).
+def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids):
+    """--eval_dataset: the DPO loss, reward accuracy and margin on held-out pairs (dropout off),
+    encoded as training encodes its pairs (the same `stop_ids`: sampling.stop_token_ids).
     The reference log-probs come from `eval_ref` (precomputed, (N, 2)) or from `ref_model`."""
     prompts, chosen, rejected = eval_texts
     was_training = model.training
@@ -242,7 +243,7 @@ def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
     out = []
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
-        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, stop_ids)
         if eval_ref is not None:
             ref_chosen_logps, ref_rejected_logps = eval_ref[s].to(batch["prompt_ids"].device).unbind(1)
         else:
@@ -321,7 +322,7 @@ def main():
         prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
         data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
+        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo", stop_ids)
     eval_ds = data.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
@@ -423,7 +424,7 @@ def main():
             if args.online and args.log_completions:
                 tracking.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
         if eval_texts and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args)
+            eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",

@@ -149,7 +149,8 @@ def main():
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
     data.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
     truncated = data.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
-                                         [r for _, c, rj in train_triples for r in (c, rj)], args, "reward")
+                                         [r for _, c, rj in train_triples for r in (c, rj)], args, "reward",
+                                       sampling.stop_token_ids(model, tokenizer))
     print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 

@@ -76,8 +76,9 @@ def sft_loss(logprobs, completion_mask, num_tokens):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, pairs, args):
-    """--eval_dataset: the loss (mean NLL over every trained token) on held-out pairs, dropout off."""
+def evaluate(model, tokenizer, pairs, args, stop_ids):
+    """--eval_dataset: the loss (mean NLL over every trained token) on held-out pairs, dropout off,
+    encoded as training encodes its rows (the same `stop_ids`: sampling.stop_token_ids)."""
     was_training, device = model.training, common.device()
     model.eval()
     total, count = 0.0, 0
@@ -86,7 +87,7 @@ def evaluate(model, tokenizer, pairs, args):
         prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in chunk],
                                                         args.max_prompt_length)
         completion_ids, completion_mask, loss_mask = data.encode_turns(
-            tokenizer, [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length)
+            tokenizer, [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length, stop_ids)
         logprobs = sampling.completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
                                                 completion_ids.to(device), completion_mask.to(device))
         total -= float((logprobs * loss_mask.to(device)).sum())
@@ -142,7 +143,7 @@ def main():
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
     truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
-                 "completions_truncated": data.count_truncated(tokenizer, completions, args.max_completion_length, True)}
+                 "completions_truncated": data.count_truncated(tokenizer, turns, args.max_completion_length, stop_ids)}
     if any(truncated.values()):
         print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
@@ -194,7 +195,7 @@ def main():
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
         if eval_pairs and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args)}
+            eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args, stop_ids)}
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
