@@ -181,7 +181,8 @@ def make_judge(args, world_data):
         rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
 
         def judge(prompts, completions, columns):
-            return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size)
+            return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size,
+                                        args.max_prompt_length)
 
         return judge, rm
     if not args.reward_fn and not world_data:

@@ -371,12 +371,15 @@ def sequence_scores(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
-    """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU."""
+def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, max_prompt_length=None):
+    """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU.
+    Prompts keep their last `max_prompt_length` tokens (what the policy read); completions are
+    never cut: the score is read at the end of the whole completion (a sampled one is already
+    at most --max_completion_length tokens long)."""
     scores = []
     for i in range(0, len(prompts), batch_size):
-        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
-        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], max_length,
+        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size], max_prompt_length)
+        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], None,
                                                   stop_token_ids(model, tokenizer))
         ids = torch.cat([p_ids, c_ids], 1).to(model.device)
         mask = torch.cat([p_mask, c_mask], 1).to(model.device)
@@ -384,11 +387,11 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, m
     return torch.cat(scores)
 
 
-def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
+def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_prompt_length=None):
     """Reward-model scores of dataset prompts (text or conversations) and their completions (text,
     or assistant messages), rendered through the reward model's own tokenizer and chat template,
-    as reward.py rendered its training pairs: (N,) on the CPU."""
+    as reward.py rendered its training pairs: (N,) on the CPU. Only the prompt is cut (to its
+    last `max_prompt_length` tokens); the reward model reads the whole completion."""
     rendered = [data.render_prompt(tokenizer, p) for p in prompts]
     answers = [data.render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
-    return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_length)
-
+    return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_prompt_length)
