@@ -126,9 +126,9 @@ class SamplingArgs(TrainArgs):
 
 def sampling_kwargs(args, step, micro=0):
     """The sampling knobs of a SamplingArgs, as keyword arguments of sampling.generate, and the
-    seed of the rollout at (step, micro-batch): the same on every rank (generate draws the noise
-    of the global batch and keeps this rank's rows), so N ranks sample what 1 rank would, and a
-    resumed run samples again what it sampled before."""
+    seed of the rollout at (step, micro-batch): the same on every rank (generate keys each row's
+    noise by this seed, the decoding step and the row's place in the global batch), so N ranks
+    sample what 1 rank would, and a resumed run samples again what it sampled before."""
     return {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
             "seed": (args.seed * 1_000_003 + step) * 1_009 + micro}
 
