@@ -415,6 +415,13 @@ def _check_hub_id(name, kind):
              "or download it while online.")
 
 
+def _int8_in_training_mode(module, inputs):
+    """Forward pre-hook of a bitsandbytes Linear8bitLt on the CPU: its training-mode kernel
+    (dequantised weights, exact activations) in every mode. It has no dropout, so the flag
+    changes nothing else."""
+    module.training = True
+
+
 def load_model(name, args, cls=None, adapters=False, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
     safetensors only, no remote code unless asked, on the training device. A causal LM whose
@@ -459,6 +466,11 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
     for module in model.modules():  # bitsandbytes 0.50 on the CPU repacks 4-bit weights at the first
         if hasattr(module, "support_avx512bf16_for_cpu"):  # no-grad eval forward (a rollout), and then
             module.support_avx512bf16_for_cpu = False  # cannot backpropagate through them: keep one layout
+        if type(module).__name__ == "Linear8bitLt" and model.device.type == "cpu":
+            # its CPU kernels compute another function per mode: training mode dequantises the weights,
+            # eval mode also rounds the activations to int8, so the reference and the sampler (eval)
+            # would differ from the policy (training) by up to 5e-4 nats. One function: training's.
+            module.register_forward_pre_hook(_int8_in_training_mode)
     if cls is AutoModelForCausalLM:
         sampling.check_logits(model)  # one forward of a few tokens
     if getattr(args, "gradient_checkpointing", False):
