@@ -269,6 +269,7 @@ def render_triples(tokenizer, triples):
 
 # ------------------------------------------------------------------------ main
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
     # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
     # on-policy, so they take a larger step than offline ones
@@ -317,17 +318,17 @@ def main():
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
         data.check_readable(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
+        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, script)
     else:
         triples = data.preference_triples(ds, args.dataset)
         prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
         data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo", stop_ids)
+        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, script, stop_ids)
     eval_ds = data.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
-    print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
+    print(f"{script}: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{data.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
@@ -345,7 +346,7 @@ def main():
     init = {}
     if embedded:
         init["init_gold_score"] = common.gold_eval(model, tokenizer, args)["gold_score"]
-        print(f"dpo: gold score before training {init['init_gold_score']:.3f}")
+        print(f"{script}: gold score before training {init['init_gold_score']:.3f}")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
@@ -357,11 +358,11 @@ def main():
     held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
             + (memory.tensor_bytes(ref_model) if separate_ref else 0),
             "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
-    print(f"dpo: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
+    print(f"{script}: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
           + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="dpo")
+    pbar = tracking.progress(args, start_step, desc=script)
     final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
         rows, num_tokens = [], 0
@@ -438,14 +439,14 @@ def main():
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
     if args.online and truncated["completions_truncated"]:
-        print(f"dpo: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
+        print(f"{script}: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
-        print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
+        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
     checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
-    print(f"dpo: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -311,6 +311,7 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokeniz
 
 # ============================================================================ main
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     from transformers import AutoModelForSequenceClassification
 
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
@@ -376,8 +377,8 @@ def main():
     policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
-    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
-    print(f"ppo: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
+    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
+    print(f"{script}: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
 
@@ -392,7 +393,7 @@ def main():
     logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="ppo")
+    pbar = tracking.progress(args, start_step, desc=script)
     final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
@@ -506,7 +507,7 @@ def main():
     logger.close()
     checkpoints.save_final(policy, tokenizer, args)
     if truncated_counts["completions_truncated"]:
-        print(f"ppo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+        print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
     summary = {**final, **truncated_counts,
                "memory_bytes": {"policy": memory.tensor_bytes(policy),
@@ -517,10 +518,10 @@ def main():
     if args.dataset == common.EMBEDDED:
         summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
         summary.update(common.gold_eval(policy, tokenizer, args))
-        print(f"ppo: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
+        print(f"{script}: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
               f"e.g. {summary['samples'][0]!r}")
     checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
-    print(f"ppo: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 @torch.no_grad()

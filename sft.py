@@ -97,6 +97,7 @@ def evaluate(model, tokenizer, pairs, args, stop_ids):
 
 
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
         memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
@@ -106,7 +107,7 @@ def main():
     device = common.device()
 
     # ---- data, then the model and tokenizer (a from-scratch tokenizer is fitted to the data)
-    ds = data.training_data(args, "sft")
+    ds = data.training_data(args, script)
     pairs = data.sft_pairs(ds, args.dataset)
     from_scratch = args.model == ""
     if from_scratch and args.use_peft:
@@ -139,23 +140,23 @@ def main():
     eval_ds = data.eval_data(args)
     eval_pairs = data.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
     data.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
-    print(f"sft: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
+    print(f"{script}: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
     truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
                  "completions_truncated": data.count_truncated(tokenizer, turns, args.max_completion_length, stop_ids)}
     if any(truncated.values()):
-        print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
+        print(f"{script}: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
               f"--max_completion_length {args.max_completion_length} are cut (their EOS is not learned)")
     global_batch = args.batch_size * parallel.world_size()
     if len(pairs) < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
-        print(f"sft: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
+        print(f"{script}: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
 
     init = {}
     if args.dataset == common.EMBEDDED and from_scratch:  # the floor the policy must rise from
         init = {"init_gold_score": common.gold_eval(model, tokenizer, args)["gold_score"]}
-        print(f"sft: random-init gold score {init['init_gold_score']:.3f}")
+        print(f"{script}: random-init gold score {init['init_gold_score']:.3f}")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
@@ -164,7 +165,7 @@ def main():
     logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="sft")
+    pbar = tracking.progress(args, start_step, desc=script)
     losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
         batches = []
@@ -209,10 +210,10 @@ def main():
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))
-        print(f"sft: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
+        print(f"{script}: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
               f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
     checkpoints.write_json(f"{args.output_dir}/summary.json", summary)
-    print(f"sft: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 if __name__ == "__main__":
