@@ -138,6 +138,15 @@ def script_name():
     return os.path.splitext(os.path.basename(sys.argv[0]))[0]
 
 
+# the help of a --no_X flag (a bool field that defaults to True), where "Turn --X off" says too little
+NO_FLAG_HELP = {
+    "merge_adapters": "With --use_peft: the final save writes only the adapters (<output_dir>/adapter/), not the "
+                      "merged model, saving the time and disk of a full copy of the base.",
+    "precompute_ref_logps": "Offline: keep a frozen reference model loaded and run it every step, instead of computing "
+                            "the reference log-probs once before training.",
+}
+
+
 def parse_args(cls, default_output_dir=None):
     """Parse the command line into the script's Args dataclass; fill the output folder (runs/<script>,
     or default_output_dir(args)) and check it before anything loads."""
@@ -147,6 +156,8 @@ def parse_args(cls, default_output_dir=None):
     for action in parser._actions:  # an empty default reads as nothing, not "(default: )"
         if action.default == "" and action.help:
             action.help += "%(default)s"
+        if any(o == f"--no_{action.dest}" for o in action.option_strings):  # HF copies the flag's own help to --no_X
+            action.help = NO_FLAG_HELP.get(action.dest, f"Turn --{action.dest} off (on by default).")
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         fail(unknown_flag_message(cls, unknown))

@@ -15,7 +15,6 @@ import hashlib
 import inspect
 
 import torch
-from transformers import DynamicCache
 
 import common
 import data
@@ -154,6 +153,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     C = completion_ids.shape[1]
     body = backbone(model)
     if k > 1 and not (torch.is_grad_enabled() and is_checkpointing(model)):
+        from transformers import DynamicCache
+
         cache = DynamicCache(config=model.config)
         prompt_hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                              **with_cache(body, cache)).last_hidden_state  # (B, P, H)
@@ -234,6 +235,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     model.eval()
     n, pad = num_return_sequences, tokenizer.pad_token_id
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)
+    from transformers import DynamicCache  # a slow import: not for --help
+
     cache = DynamicCache(config=model.config)
     positions = position_ids(prompt_mask)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
