@@ -279,3 +279,14 @@ def test_8bit_base_computes_the_same_function_in_train_and_eval_mode(tiny_qwen):
     model.eval()
     eval_logprobs = _logprobs(model, batch)
     assert torch.equal(logprobs, ref_logprobs) and torch.equal(logprobs, eval_logprobs)
+
+
+def test_adding_adapters_prints_no_future_warning(tiny_qwen):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model: a
+    FutureWarning printed on every LoRA run, which lora.add_adapters silences there alone."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        common.load_model(tiny_qwen, _args(tiny_qwen), adapters=True)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
