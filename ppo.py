@@ -45,9 +45,10 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 - --use_peft (LoRA; --load_in_4bit for QLoRA): each trained model is a frozen base with adapters,
   and each frozen model is one of those bases with its adapters switched off, so PPO holds two
   bases, not four models. pi_ref is the actor's base. V_phi gets its own adapters and a trained
-  copy of the score head (centred by -reward_mean, as without peft) on the reward model's base, and R_psi is that base with the adapters
-  (and the copy) off: the critic must start from the reward model (above), whose weights differ
-  from the policy's, so it cannot share the actor's base, but it can share R_psi's. With
+  copy of the score head (centred by -reward_mean, as without peft) on the reward model's base,
+  and R_psi is that base with the adapters and the copy off (its original head, uncentred): the
+  critic must start from the reward model (above), whose weights differ from the policy's, so
+  it cannot share the actor's base, but it can share R_psi's. With
   --reward_fn the critic's base is a second copy of the policy (--model). With a quantised base,
   pi_ref and R_psi are the 4- or 8-bit versions of the SFT policy and the reward model.
 
@@ -312,8 +313,6 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokeniz
 # ============================================================================ main
 def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
-    from transformers import AutoModelForSequenceClassification
-
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
