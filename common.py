@@ -128,11 +128,20 @@ class SamplingArgs(TrainArgs):
 
 def sampling_kwargs(args, step, micro=0):
     """The sampling knobs of a SamplingArgs, as keyword arguments of sampling.generate, and the
-    seed of the rollout at (step, micro-batch): the same on every rank (generate draws the noise
-    of the global batch and keeps this rank's rows), so N ranks sample what 1 rank would, and a
-    resumed run samples again what it sampled before."""
+    seed of the rollout at (step, micro-batch): the same on every rank (generate keys each row's
+    noise by this seed, the decoding step and the row's place in the global batch), so N ranks
+    sample what 1 rank would, and a resumed run samples again what it sampled before."""
     return {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
             "seed": (args.seed * 1_000_003 + step) * 1_009 + micro}
+
+
+# the help of a --no_X flag (a bool field that defaults to True), where "Turn --X off" says too little
+NO_FLAG_HELP = {
+    "merge_adapters": "With --use_peft: the final save writes only the adapters (<output_dir>/adapter/), not the "
+                      "merged model, saving the time and disk of a full copy of the base.",
+    "precompute_ref_logps": "Offline: keep a frozen reference model loaded and run it every step, instead of computing "
+                            "the reference log-probs once before training.",
+}
 
 
 def parse_args(cls, default_output_dir=None):
@@ -144,6 +153,8 @@ def parse_args(cls, default_output_dir=None):
     for action in parser._actions:  # an empty default reads as nothing, not "(default: )"
         if action.default == "" and action.help:
             action.help += "%(default)s"
+        if any(o == f"--no_{action.dest}" for o in action.option_strings):  # HF copies the flag's own help to --no_X
+            action.help = NO_FLAG_HELP.get(action.dest, f"Turn --{action.dest} off (on by default).")
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         fail(unknown_flag_message(cls, unknown))
@@ -388,6 +399,13 @@ def check_model_source(name):
         check_hub_id(name, "model")
 
 
+def _int8_in_training_mode(module, inputs):
+    """Forward pre-hook of a bitsandbytes Linear8bitLt on the CPU: its training-mode kernel
+    (dequantised weights, exact activations) in every mode. It has no dropout, so the flag
+    changes nothing else."""
+    module.training = True
+
+
 def load_model(name, args, cls=None, adapters=False, **kwargs):
     """`cls.from_pretrained` (AutoModelForCausalLM by default) with our dtype/attention rules,
     safetensors only, no remote code unless asked, on the training device. A causal LM whose
@@ -440,6 +458,11 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
     for module in model.modules():  # bitsandbytes 0.50 on the CPU repacks 4-bit weights at the first
         if hasattr(module, "support_avx512bf16_for_cpu"):  # no-grad eval forward (a rollout), and then
             module.support_avx512bf16_for_cpu = False  # cannot backpropagate through them: keep one layout
+        if type(module).__name__ == "Linear8bitLt" and model.device.type == "cpu":
+            # its CPU kernels compute another function per mode: training mode dequantises the weights,
+            # eval mode also rounds the activations to int8, so the reference and the sampler (eval)
+            # would differ from the policy (training) by up to 5e-4 nats. One function: training's.
+            module.register_forward_pre_hook(_int8_in_training_mode)
     if cls is AutoModelForCausalLM:
         sampling.check_logits(model)  # one forward of a few tokens
     if getattr(args, "gradient_checkpointing", False):

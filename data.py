@@ -296,22 +296,35 @@ def batch_indices(n, batch_size, seed, step):
     return out
 
 
-def count_truncated(tokenizer, texts, max_length, completions=False):
-    """How many texts encode_prompts (or encode_completions) will cut at max_length tokens."""
+def count_truncated(tokenizer, texts, max_length, stop_ids=None):
+    """How many texts training will cut at max_length tokens: prompts as encode_prompts encodes
+    them (`stop_ids` None), or completions as encode_completions (render_turns segments: as
+    encode_turns) encodes them with `stop_ids`, the stop rule training uses
+    (sampling.stop_token_ids): a completion already ending in a stop token gets no EOS."""
     if not max_length:
         return 0
-    encode = encode_completions if completions else encode_prompts
-    return sum(int((encode(tokenizer, texts[i:i + 1024])[1].sum(1) > max_length).sum())
-               for i in range(0, len(texts), 1024))
+
+    def cut(batch):
+        if stop_ids is None:
+            mask = encode_prompts(tokenizer, batch)[1]
+        elif isinstance(batch[0], list):
+            mask = encode_turns(tokenizer, batch, None, stop_ids)[1]
+        else:
+            mask = encode_completions(tokenizer, batch, None, stop_ids)[1]
+        return int((mask.sum(1) > max_length).sum())
+    return sum(cut(texts[i:i + 1024]) for i in range(0, len(texts), 1024))
 
 
-def truncation_counts(tokenizer, prompts, responses, args, name):
+def truncation_counts(tokenizer, prompts, responses, args, name, stop_ids=None):
     """prompts_truncated / completions_truncated for summary.json, counted up front and printed:
     prompts longer than --max_prompt_length keep their last tokens, responses (dataset completions,
     None for sampled ones, which the scripts count as they sample) keep their first
-    --max_completion_length tokens."""
+    --max_completion_length tokens, encoded with `stop_ids` (sampling.stop_token_ids) as training encodes them."""
+    if responses and stop_ids is None:
+        raise ValueError("truncation_counts: pass the stop_ids training encodes the responses with")
     counts = {"prompts_truncated": count_truncated(tokenizer, prompts, args.max_prompt_length),
-              "completions_truncated": count_truncated(tokenizer, responses, args.max_completion_length, True) if responses else 0}
+              "completions_truncated": count_truncated(tokenizer, responses, args.max_completion_length, stop_ids)
+              if responses else 0}
     if any(counts.values()):
         print(f"{name}: {counts['prompts_truncated']} of {len(prompts)} prompts are longer than --max_prompt_length "
               f"{args.max_prompt_length} and keep their last tokens"

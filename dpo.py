@@ -147,7 +147,7 @@ def pair_logps(model, batch, loss_type):
     return logps[:, 0], logps[:, 1]
 
 
-def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids=None):
+def encode_pairs(tokenizer, prompts, chosen, rejected, args, stop_ids):
     """Token ids and masks of a batch of rendered (prompt, chosen, rejected) texts, on the device;
     a completion ending in one of `stop_ids` (sampling.stop_token_ids) gets no extra EOS."""
     prompt_ids, prompt_mask = data.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
@@ -181,7 +181,8 @@ def make_judge(args, world_data):
         rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
 
         def judge(prompts, completions, columns):
-            return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size)
+            return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size,
+                                        args.max_prompt_length)
 
         return judge, rm
     if not args.reward_fn and not world_data:
@@ -234,8 +235,9 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
 
 
 @torch.no_grad()
-def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
-    """--eval_dataset: the DPO loss, reward accuracy and margin on held-out pairs (dropout off).
+def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids):
+    """--eval_dataset: the DPO loss, reward accuracy and margin on held-out pairs (dropout off),
+    encoded as training encodes its pairs (the same `stop_ids`: sampling.stop_token_ids).
     The reference log-probs come from `eval_ref` (precomputed, (N, 2)) or from `ref_model`."""
     prompts, chosen, rejected = eval_texts
     was_training = model.training
@@ -243,7 +245,7 @@ def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args):
     out = []
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
-        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args)
+        batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, stop_ids)
         if eval_ref is not None:
             ref_chosen_logps, ref_rejected_logps = eval_ref[s].to(batch["prompt_ids"].device).unbind(1)
         else:
@@ -268,6 +270,7 @@ def render_triples(tokenizer, triples):
 
 # ------------------------------------------------------------------------ main
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
     # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
     # on-policy, so they take a larger step than offline ones
@@ -316,17 +319,17 @@ def main():
         columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
         n_examples = len(prompts)
         data.check_readable(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, "dpo")
+        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, script)
     else:
         triples = data.preference_triples(ds, args.dataset)
         prompts, chosen, rejected = render_triples(tokenizer, triples)
         n_examples = len(triples)
         data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, "dpo")
+        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, script, stop_ids)
     eval_ds = data.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
-    print(f"dpo: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
+    print(f"{script}: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{data.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
@@ -344,7 +347,7 @@ def main():
     init = {}
     if embedded:
         init["init_gold_score"] = common.gold_eval(model, tokenizer, args)["gold_score"]
-        print(f"dpo: gold score before training {init['init_gold_score']:.3f}")
+        print(f"{script}: gold score before training {init['init_gold_score']:.3f}")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
@@ -356,11 +359,11 @@ def main():
     held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
             + (memory.tensor_bytes(ref_model) if separate_ref else 0),
             "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
-    print(f"dpo: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
+    print(f"{script}: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
           + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="dpo")
+    pbar = tracking.progress(args, start_step, desc=script)
     final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
         rows, num_tokens = [], 0
@@ -424,7 +427,7 @@ def main():
             if args.online and args.log_completions:
                 tracking.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
         if eval_texts and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args)
+            eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
@@ -437,15 +440,15 @@ def main():
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
     if args.online and truncated["completions_truncated"]:
-        print(f"dpo: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
+        print(f"{script}: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
     if embedded:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
-        print(f"dpo: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
+        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"dpo: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 if __name__ == "__main__":

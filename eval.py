@@ -52,7 +52,10 @@ Departures and choices:
   (free for score judges, R_a x R_b times the calls for --judge llm);
 - Bradley-Terry gets one virtual drawn game per pair of policies (a weak prior), so a policy
   that wins or loses every game still gets a finite Elo; it shrinks Elo gaps a little (200
-  prompts at a 70% win rate: by under 1 point, far inside the CI);
+  prompts at a 70% win rate: by under 1 point, far inside the CI). Under complete separation
+  (a policy won, or lost, every game against the other side) the true Elo is unbounded:
+  results.json marks it (`unbounded`: +1 / -1) and results.md prints `>= x` / `<= x`, x the
+  prior's value, with no interval (`unbounded_elo`);
 - the embedded world's test split is always the world of seed 0 (as in common.gold_eval), so
   --seed changes the sampling and the bootstrap, never the prompts;
 - generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
@@ -305,6 +308,19 @@ def bradley_terry_elo(wins, prior_games=BT_PRIOR_GAMES, max_iter=100_000, tol=1e
     return 1000 + 400 * np.log10(p / p[..., :1])
 
 
+def unbounded_elo(wins):
+    """Which Elo is unbounded (complete separation): Bradley-Terry's maximum likelihood gives
+    policy i a finite Elo relative to the anchor (policy 0) only if each beat the other through a
+    chain of wins (ties count half, so a tie links both ways). Returns (k,): +1 where i's Elo is
+    +inf (it and the policies it reaches never lost to the anchor's side), -1 where it is -inf,
+    0 where finite. `wins`: the point win matrix (k, k) without the prior's virtual draws."""
+    k = wins.shape[0]
+    reach = (wins > 0) | np.eye(k, dtype=bool)  # i won something against j
+    for m in range(k):  # transitive closure (Warshall)
+        reach = reach | (reach[:, m:m + 1] & reach[m:m + 1, :])
+    return np.where(reach[0] & reach[:, 0], 0, np.where(reach[:, 0], 1, -1))
+
+
 def expected_wins(elo_a, elo_b):
     """P(a beats b) on the Elo scale: 1 / (1 + 10^((Elo_b - Elo_a) / 400))."""
     return 1 / (1 + 10 ** ((elo_b - elo_a) / 400))
@@ -408,10 +424,19 @@ def parse_methods(specs):
             common.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
         paths = []
         for pattern in patterns.split(","):
-            found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            # a pattern's runs are model folders (config.json, or a LoRA run's adapter_config.json), not the
+            # log files or other folders beside them
+            found = [m for m in matches if not glob.has_magic(pattern) or is_model_folder(m)]
             if not found:
-                common.fail(f"{spec!r}: {pattern!r} matches no folder; check the path (and quote the argument, "
-                            "so the shell leaves the pattern to eval.py).")
+                common.fail(f"{spec!r}: {pattern!r} matches no model folder (a folder with config.json)"
+                            + (f"; it matches only {', '.join(matches[:3])}{' ...' if len(matches) > 3 else ''}" if matches
+                               else "") + "; check the path (and quote the argument, so the shell leaves the pattern "
+                            "to eval.py).")
+            if len(found) < len(matches):
+                skipped = [m for m in matches if m not in found]
+                print(f"eval: note: {pattern!r} also matches {len(skipped)} path(s) that are not model folders, left out "
+                      f"(e.g. {skipped[0]}).")
             paths += found
         methods.append((name, paths))
     names = [name for name, _ in methods]
@@ -420,6 +445,11 @@ def parse_methods(specs):
             common.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
                         "rename one with NAME=PATH.")
     return methods
+
+
+def is_model_folder(path):
+    """A folder a policy loads from: config.json (a full or merged model) or adapter_config.json."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json"))
 
 
 def run_names(methods):
@@ -673,6 +703,7 @@ def main():
         method_pairs = [(a, b) for a, b in pairs if b != REFERENCE]
         point = {(names.index(a), names.index(b)): method_outcomes[a, b].sum(-1).mean() for a, b in method_pairs}
         elo = bradley_terry_elo(win_matrix(point, n, k))  # (k,)
+        unbounded = unbounded_elo(win_matrix(point, n, k))  # (k,): +1 / -1 where one side won every game
         boot_elo = []
         for which in (1, 0):  # prompt-only, then two-level
             totals = {(names.index(a), names.index(b)): resampled_totals(method_outcomes[a, b], prompt_counts,
@@ -682,6 +713,7 @@ def main():
         (elo_lo, elo_hi), (elo_seed_lo, elo_seed_hi) = percentile_ci(boot_elo[0]), percentile_ci(boot_elo[1])
     else:
         elo = elo_lo = elo_hi = elo_seed_lo = elo_seed_hi = np.full(1, 1000.0)
+        unbounded = np.zeros(1, dtype=int)
 
     def describe(name):
         """A method's numbers, averaged over its runs."""
@@ -709,7 +741,8 @@ def main():
                      **generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
         "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i]),
-                       "seed_ci_low": float(elo_seed_lo[i]), "seed_ci_high": float(elo_seed_hi[i])}
+                       "seed_ci_low": float(elo_seed_lo[i]), "seed_ci_high": float(elo_seed_hi[i]),
+                       "unbounded": int(unbounded[i])}
                 for i, name in enumerate(names)},
         "policies": {name: {"paths": paths, "runs": runs[name], **describe(name),
                             "truncated_frac": float(np.mean([truncated[r] for r in runs[name]]))}

@@ -284,6 +284,7 @@ def evaluate(model, tokenizer, eval_ds, rewards, weights, args):
 
 # ============================================================================ main
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what GRPO holds: the policy, a reference unless beta == 0, reward models
         memory.print_plan(args, reference=True if args.beta else "--beta 0",
@@ -308,15 +309,17 @@ def main():
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
+    parallel.init_distributed()  # under torchrun: join the process group (only rank 0 prints); a no-op otherwise
     # a config ported from TRL means other things by these two (README, "Coming from TRL")
+    B = args.batch_size
     if common.passed("batch_size"):
-        print(f"grpo: note: --batch_size {args.batch_size} counts prompts, so a micro-batch holds {args.batch_size * G} "
-              f"completions (TRL's per_device_train_batch_size counts completions: use --batch_size "
-              f"{max(1, args.batch_size // G)} for TRL's {args.batch_size}).")
+        trl = (f"TRL's {B} is --batch_size {B // G} here" if B % G == 0 else
+               f"TRL's {B} is not a whole number of groups of {G}: use a multiple of {G} there")
+        print(f"{script}: note: --batch_size {B} counts prompts, so a micro-batch holds {B} x {G} = {B * G} completions, "
+              f"TRL's per_device_train_batch_size {B * G} (TRL's counts completions; {trl}).")
     if args.loss_type == "cispo" and args.epsilon_high >= 1:
-        print(f"grpo: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
+        print(f"{script}: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
               f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
-    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
 
@@ -347,8 +350,8 @@ def main():
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
-    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, "grpo")  # + completions as sampled
-    print(f"grpo: {len(ds)} prompts from {data.dataset_name(args.dataset)}, rewards {reward_names} "
+    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
+    print(f"{script}: {len(ds)} prompts from {data.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {[round(w, 6) for w in weights.tolist()]}, --scale_rewards {args.scale_rewards}), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.batch_size} x {G} completions per micro-batch, device {device}")
@@ -361,7 +364,7 @@ def main():
 
     # ---- loop
     start = time.time()
-    pbar = tracking.progress(args, start_step, desc="grpo")
+    pbar = tracking.progress(args, start_step, desc=script)
     eval_metrics = {}  # the last --eval_dataset evaluation, for summary.json
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
@@ -473,14 +476,14 @@ def main():
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
                **(tracking.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics, **truncated_counts}
     if truncated_counts["completions_truncated"]:
-        print(f"grpo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+        print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
-        print(f"grpo: test gold score {ev['gold_score']:.3f}; e.g. {ev['samples'][0]!r}")
+        print(f"{script}: test gold score {ev['gold_score']:.3f}; e.g. {ev['samples'][0]!r}")
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"grpo: {train_seconds:.0f} s of training; saved to {args.output_dir}")
+    print(f"{script}: {train_seconds:.0f} s of training; saved to {args.output_dir}")
 
 
 if __name__ == "__main__":

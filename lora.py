@@ -7,6 +7,7 @@ an adapter folder's base included, is common.load_model's job (common.py stands 
 import contextlib
 import json
 import os
+import warnings
 
 import basics
 
@@ -84,7 +85,10 @@ def add_adapters(model, args):
         task_type=TaskType.SEQ_CLS if score_head else TaskType.CAUSAL_LM,
         modules_to_save=["score"] if score_head else None)  # the new head trains in full
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
+            # in PeftModel.__init__ (a FutureWarning on every LoRA run); the value it reads is right
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as e:  # e.g. a --lora_target_modules name this architecture does not have
         basics.fail(f"--lora_target_modules {targets}: {e}")
 

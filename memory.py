@@ -5,6 +5,7 @@ be checked line by line (tests/test_memory.py). Knows no script: each script say
 GB here means 2**30 bytes.
 """
 
+import copy
 import os
 import resource
 import sys
@@ -319,13 +320,22 @@ def memory_table(rows, title):
 
 
 def print_plan(args, **holds):
-    """--estimate_memory: print estimate_memory(args, **holds) as a table and exit."""
+    """--estimate_memory: print estimate_memory(args, **holds) as a table and exit. The plan is for
+    the CUDA GPU the run will train on, so --dtype auto plans in bf16 (auto's choice there) even
+    on a machine without one, where a run would load fp32; the printout says so."""
+    note = ""
+    if args.dtype == "auto":
+        args = copy.copy(args)
+        args.dtype = "bfloat16"
+        if not torch.cuda.is_available():
+            note = ("\n--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
+                    "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.")
     dtype = common.torch_dtype(args.dtype)
     script = os.path.basename(sys.argv[0])
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
              f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
              f"per device, estimated from the config)")
-    print(memory_table(estimate_memory(args, **holds), title))
+    print(memory_table(estimate_memory(args, **holds), title) + note)
     sys.exit(0)
 
 

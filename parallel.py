@@ -8,7 +8,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import basics
 
@@ -32,6 +31,16 @@ def rank():
 
 def world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_dtensor(t):
+    """Whether `t` is an FSDP2 shard (a DTensor). None exists outside a process group, and
+    torch.distributed.tensor is imported only then: it is a slow import (--help)."""
+    if not dist.is_initialized():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def is_main():
@@ -95,7 +104,7 @@ def mean_over_ranks(metrics):
 
 
 def is_sharded_param(p):
-    return isinstance(p, DTensor)
+    return is_dtensor(p)
 
 
 def is_sharded(model):
@@ -138,7 +147,7 @@ def sync_gradients(params):
     """Average the gradients of replicated parameters over ranks (sharded FSDP2 parameters are
     already reduced). A parameter with a gradient on some ranks only counts as zero on the
     others; one with a gradient on no rank keeps none (the optimizer skips it, as in one process)."""
-    params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
+    params = [p for p in params if p.requires_grad and not is_dtensor(p)]
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=basics.device())
     dist.all_reduce(has_grad)
     params = [p for p, h in zip(params, has_grad.tolist()) if h > 0]
@@ -162,15 +171,15 @@ def grad_norm_(params, max_grad_norm):
     """clip_grad_norm_ for a mix of replicated parameters and FSDP2 shards (DTensors): the
     shards' squared norms are summed over ranks. Returns the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g.to_local().float().pow(2).sum() for g in grads if isinstance(g, DTensor)]
+    sharded = [g.to_local().float().pow(2).sum() for g in grads if is_dtensor(g)]
     sq = torch.stack(sharded).sum() if sharded else torch.zeros((), device=grads[0].device)
     dist.all_reduce(sq)
-    sq = sq + sum(g.float().pow(2).sum() for g in grads if not isinstance(g, DTensor))
+    sq = sq + sum(g.float().pow(2).sum() for g in grads if not is_dtensor(g))
     norm = sq.sqrt()
     if max_grad_norm > 0:
         scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+            (g.to_local() if is_dtensor(g) else g).mul_(scale)
     return norm
 
 

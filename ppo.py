@@ -45,9 +45,10 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 - --use_peft (LoRA; --load_in_4bit for QLoRA): each trained model is a frozen base with adapters,
   and each frozen model is one of those bases with its adapters switched off, so PPO holds two
   bases, not four models. pi_ref is the actor's base. V_phi gets its own adapters and a trained
-  copy of the score head on the reward model's base, and R_psi is that base with the adapters
-  (and the copy) off: the critic must start from the reward model (above), whose weights differ
-  from the policy's, so it cannot share the actor's base, but it can share R_psi's. With
+  copy of the score head (centred by -reward_mean, as without peft) on the reward model's base,
+  and R_psi is that base with the adapters and the copy off (its original head, uncentred): the
+  critic must start from the reward model (above), whose weights differ from the policy's, so
+  it cannot share the actor's base, but it can share R_psi's. With
   --reward_fn the critic's base is a second copy of the policy (--model). With a quantised base,
   pi_ref and R_psi are the 4- or 8-bit versions of the SFT policy and the reward model.
 
@@ -215,19 +216,27 @@ def explained_variance(values, returns, mask):
 
 
 # ============================================================================ the critic and forward passes
-def load_critic(source, args, reward_mean):
+def load_critic(source, args):
     """V_phi: a transformer with a scalar head (AutoModelForSequenceClassification), from the
-    reward model (or the policy with --reward_fn). The head gets a bias of -reward_mean (HF's
-    score heads have none), so the critic starts centred like the score it learns to predict,
-    R_psi(x, y) - reward_mean; without it, its values start off by reward_mean."""
+    reward model (or the policy with --reward_fn); with --use_peft, LoRA adapters on its frozen
+    base and a trained copy of the head (peft's modules_to_save). Centre it with `centre_critic`."""
     from transformers import AutoModelForSequenceClassification
 
-    critic = common.load_model(source, args, cls=AutoModelForSequenceClassification, num_labels=1)
-    head = critic.score
-    critic.score = torch.nn.Linear(head.in_features, 1, bias=True, device=head.weight.device, dtype=head.weight.dtype)
+    return common.load_model(source, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
+
+
+def centre_critic(critic, reward_mean):
+    """Give the critic's trained head a bias of -reward_mean (HF's score heads have none), so the
+    critic starts centred like the score it learns to predict, R_psi(x, y) - reward_mean;
+    without it, its values start off by reward_mean. With --use_peft the trained head is peft's
+    copy; the original head, which R_psi reads with the adapters off, stays uncentred."""
+    owner, name = (critic.score.modules_to_save, critic.active_adapter) if lora.is_peft(critic) else (critic, "score")
+    head = getattr(owner, name)
+    centred = torch.nn.Linear(head.in_features, 1, bias=True, device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
-        critic.score.weight.copy_(head.weight)
-        critic.score.bias.fill_(-reward_mean if head.bias is None else float(head.bias) - reward_mean)
+        centred.weight.copy_(head.weight)
+        centred.bias.fill_(-reward_mean if head.bias is None else float(head.bias) - reward_mean)
+    setattr(owner, name, centred)
     return critic
 
 
@@ -303,8 +312,7 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokeniz
 
 # ============================================================================ main
 def main():
-    from transformers import AutoModelForSequenceClassification
-
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
@@ -346,12 +354,11 @@ def main():
     policy = common.load_model(args.model, args, adapters=True)
     ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
     critic_source = args.model if args.reward_fn else args.reward_model
-    if args.use_peft:  # the critic (own adapters, a trained copy of the score head) is loaded first:
-        # its base doubles as R_psi. It is not centred by reward_mean: its head is the reward model's
-        critic = common.load_model(critic_source, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
+    # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
+    critic = load_critic(critic_source, args)
     reward_model, rm_tokenizer, reward_mean = None, None, 0.0
     if not args.reward_fn:
-        if args.use_peft:  # R_psi is the critic's base with its adapters and score-head copy off
+        if args.use_peft:  # R_psi is the critic's base with its adapters and trained head off
             reward_model, rm_tokenizer = critic, common.load_tokenizer(args.reward_model, args.trust_remote_code)
         else:
             reward_model, rm_tokenizer = common.load_reward_model(args.reward_model, args)
@@ -360,10 +367,7 @@ def main():
             common.fail(f"the reward model {args.reward_model} has another tokenizer than {args.model}; ppo.py scores "
                         "token ids directly, so train the reward model from the same policy (python reward.py --model ...).")
         reward_mean = float(getattr(reward_model.config, "reward_mean", 0.0))
-    if not args.use_peft:
-        # the critic: a scalar head on a transformer, from the reward model (or the policy with
-        # --reward_fn), centred like the score: R_psi(x, y) - reward_mean
-        critic = load_critic(critic_source, args, reward_mean)
+    centre_critic(critic, reward_mean)  # starts centred like the score: R_psi(x, y) - reward_mean
     # dropout off everywhere (Huang et al. 2024) by zeroing it: the trained models stay in training
     # mode, where HF's gradient checkpointing works (it recomputes nothing in eval mode)
     common.disable_dropout(policy), common.disable_dropout(critic)
@@ -372,8 +376,8 @@ def main():
     policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
-    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, "ppo")  # + completions as sampled
-    print(f"ppo: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
+    truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
+    print(f"{script}: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
           f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
 
@@ -388,7 +392,7 @@ def main():
     logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="ppo")
+    pbar = tracking.progress(args, start_step, desc=script)
     final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
@@ -502,7 +506,7 @@ def main():
     logger.close()
     checkpoints.save_final(policy, tokenizer, args)
     if truncated_counts["completions_truncated"]:
-        print(f"ppo: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+        print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
     summary = {**final, **truncated_counts,
                "memory_bytes": {"policy": memory.tensor_bytes(policy),
@@ -513,10 +517,10 @@ def main():
     if args.dataset == common.EMBEDDED:
         summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
         summary.update(common.gold_eval(policy, tokenizer, args))
-        print(f"ppo: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
+        print(f"{script}: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
               f"e.g. {summary['samples'][0]!r}")
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"ppo: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 @torch.no_grad()

@@ -51,7 +51,10 @@ def markdown_report(results, names, reference):
     for name in names:
         e, p = results["elo"][name], results["policies"][name]
         row = [name] + ([str(len(p["runs"]))] if multi else [])
-        row += two(e["elo"], e["ci_low"], e["ci_high"], e["seed_ci_low"], e["seed_ci_high"], 0)
+        if e.get("unbounded"):  # complete separation: the maximum-likelihood Elo is +-inf, no interval to give
+            row += [f"{'>=' if e['unbounded'] > 0 else '<='} {e['elo']:.0f} (unbounded)"] + (["unbounded"] if multi else [])
+        else:
+            row += two(e["elo"], e["ci_low"], e["ci_high"], e["seed_ci_low"], e["seed_ci_high"], 0)
         row += cell(name, anchor) if name != anchor else ["-"] * (1 + multi)
         row += cell(name, reference) if has_reference else []
         row += two(p["score"], p["score_ci_low"], p["score_ci_high"], p["score_seed_ci_low"], p["score_seed_ci_high"], 3) if score_name else []
@@ -74,6 +77,10 @@ def markdown_report(results, names, reference):
              + f"; * = the CI excludes 0.5. Elo: Bradley-Terry, 400 log10 odds, {anchor} = 1000.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if any(results["elo"][name].get("unbounded") for name in names):
+        lines += ["", "Elo `>= x` / `<= x`: complete separation, the policy won (lost) every game against the policies on "
+                  f"the other side of it (ties count half), so its Bradley-Terry Elo relative to {anchor} is unbounded; x is "
+                  "the value under the prior's one virtual draw per pair, a bound, not an estimate, and no interval is given."]
     lines += ["", "All pairs:", "", "| policy a | policy b | wins | ties | losses | " + " | ".join(heading("win rate of a")) + " |",
               "|---|---|---|---|---|" + "---|" * (1 + multi)]
     lines += [f"| {r['policy_a']} | {r['policy_b']} | {r['wins']} | {r['ties']} | {r['losses']} | "

@@ -109,6 +109,7 @@ def render(tokenizer, triples):
 
 
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     from transformers import AutoModelForSequenceClassification
 
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
@@ -149,8 +150,9 @@ def main():
     train_triples, test_triples = render(tokenizer, train_triples), render(tokenizer, test_triples)
     data.check_readable(tokenizer, [p + c for p, c, _ in train_triples], args.model, args.dataset)
     truncated = data.truncation_counts(tokenizer, [p for p, _, _ in train_triples],
-                                         [r for _, c, rj in train_triples for r in (c, rj)], args, "reward")
-    print(f"reward: {len(train_triples)} train / {len(test_triples)} test pairs from {data.dataset_name(args.dataset)}, "
+                                         [r for _, c, rj in train_triples for r in (c, rj)], args, script,
+                                       sampling.stop_token_ids(model, tokenizer))
+    print(f"{script}: {len(train_triples)} train / {len(test_triples)} test pairs from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
 
     # ---- optimizer
@@ -160,7 +162,7 @@ def main():
     logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="reward")
+    pbar = tracking.progress(args, start_step, desc=script)
     for step in pbar:
         rows = []
         for micro in range(args.gradient_accumulation_steps):
@@ -213,11 +215,11 @@ def main():
         probes = world.probe_pairs(common.embedded_world(args.seed)["test"], args.seed)
         summary["probe_accuracy"] = {kind: evaluate(model, tokenizer, render(tokenizer, list(zip(*texts))), args)[0]["accuracy"]
                                      for kind, texts in probes.items()}
-    print(f"reward: test accuracy {test['accuracy']:.3f} (train {train['accuracy']:.3f}"
+    print(f"{script}: test accuracy {test['accuracy']:.3f} (train {train['accuracy']:.3f}"
           + (f", label ceiling {summary['label_ceiling']:.3f} (test pairs {summary['test_label_ceiling']:.3f}), vs gold {summary['test_gold_accuracy']:.3f}" if "label_ceiling" in summary else "")
           + f"), margin {test['margin']:.3f}, reward_mean {reward_mean:.3f}")
     if "probe_accuracy" in summary:
-        print("reward: accuracy on minimal pairs (reference vs. one error): "
+        print(f"{script}: accuracy on minimal pairs (reference vs. one error): "
               + ", ".join(f"{k} {v:.2f}" for k, v in summary["probe_accuracy"].items()))
     if not math.isfinite(test["loss"]):
         common.fail("the reward model's test loss is not finite: lower --learning_rate.")
@@ -227,7 +229,7 @@ def main():
     checkpoints.save_final(model, tokenizer, args)
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"reward: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ architecture's post-head transform). tests/test_architectures.py checks both, pe
 """
 
 import functools
+import hashlib
 import inspect
 
 import torch
-from transformers import DynamicCache
 
 import basics
 import data
@@ -153,6 +153,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     C = completion_ids.shape[1]
     body = backbone(model)
     if k > 1 and not (torch.is_grad_enabled() and is_checkpointing(model)):
+        from transformers import DynamicCache
+
         cache = DynamicCache(config=model.config)
         prompt_hidden = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                              **with_cache(body, cache)).last_hidden_state  # (B, P, H)
@@ -224,15 +226,17 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     everything after the first stop token set to pad, the mask (1 up to and including it), and
     `truncated` (B*n,): True where none was produced.
 
-    `seed`: None draws the sampling noise from the global RNG. An int draws it from a generator
-    seeded with it, for the rows of every rank at once (`sampling_noise`), so that the samples
-    of N ranks x B prompts (each rank its contiguous shard, parallel.shard) are exactly those
-    of 1 rank x N*B prompts, and a resumed run draws the same ones again.
+    `seed`: None draws the sampling noise from the global RNG. An int keys each row's noise by
+    (seed, decoding step, global row) (`sampling_noise`): each rank draws only its own rows',
+    and the samples of N ranks x B prompts (each rank its contiguous shard, parallel.shard) are
+    exactly those of 1 rank x N*B prompts; a resumed run draws the same ones again.
     """
     was_training = model.training
     model.eval()
     n, pad = num_return_sequences, tokenizer.pad_token_id
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)
+    from transformers import DynamicCache  # a slow import: not for --help
+
     cache = DynamicCache(config=model.config)
     positions = position_ids(prompt_mask)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
@@ -246,13 +250,14 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     if repetition_penalty != 1.0:
         seen = logits.new_zeros(logits.shape).scatter_add_(1, prompt_ids.repeat_interleave(n, 0), mask.float()) > 0
     sharded = parallel.is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
-    generator = torch.Generator(device=logits.device).manual_seed(seed) if do_sample and seed is not None else None
+    generator = torch.Generator(device=logits.device) if do_sample and seed is not None else None
+    first_row = parallel.rank() * logits.shape[0]  # this rank's rows in the global batch (parallel.shard)
     tokens = []
     for t in range(max_new_tokens):
         if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
             basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
                         "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
-        noise = sampling_noise(logits.shape, generator, logits.device) if do_sample else None
+        noise = sampling_noise(logits.shape, logits.device, generator, seed, t, first_row) if do_sample else None
         token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)
         token = token.masked_fill(done, pad)  # (B*n,)
         tokens.append(token)
@@ -279,16 +284,26 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     return completion[:, :width], completion_mask[:, :width], truncated
 
 
-def sampling_noise(shape, generator, device):
+def sampling_noise(shape, device, generator=None, seed=None, step=0, first_row=0):
     """Uniform [0, 1) noise of one decoding step, `shape` (R, V): from the global RNG without a
-    generator; with one, drawn for the rows of all N ranks, (N*R, V), of which rank r keeps rows
-    r*R..(r+1)*R -- the rows a single process with the whole batch gives to that shard. Step t
-    uses the generator's t-th draw on every rank, so a rank whose rows all finished early and
-    stops drawing changes nothing for the others."""
+    generator; with one, row i's from `generator` re-seeded with a key of (seed, step, global row
+    first_row + i), a counter-based stream: a row's noise depends on nothing else, so a rank
+    draws only its own R rows (never the whole world's), N ranks sample what 1 rank with the
+    whole batch samples, and a rank whose rows all finished early and stops drawing changes
+    nothing for the others."""
     if generator is None:
         return torch.rand(shape, device=device)
-    rows, r = shape[0], parallel.rank()
-    return torch.rand((parallel.world_size() * rows, shape[1]), generator=generator, device=device)[r * rows:(r + 1) * rows]
+    noise = torch.empty(shape, device=device)  # (R, V)
+    for i in range(shape[0]):
+        generator.manual_seed(noise_key(seed, step, first_row + i))
+        torch.rand(shape[1:], generator=generator, device=device, out=noise[i])
+    return noise
+
+
+def noise_key(seed, step, row):
+    """A 63-bit generator seed from (seed, step, row): distinct keys for distinct triples."""
+    digest = hashlib.blake2b(f"{seed},{step},{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetition_penalty=1.0, seen=None,
@@ -371,12 +386,15 @@ def sequence_scores(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
-    """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU."""
+def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, max_prompt_length=None):
+    """Score rendered prompt texts + completion texts with a reward model: (N,) on the CPU.
+    Prompts keep their last `max_prompt_length` tokens (what the policy read); completions are
+    never cut: the score is read at the end of the whole completion (a sampled one is already
+    at most --max_completion_length tokens long)."""
     scores = []
     for i in range(0, len(prompts), batch_size):
-        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size], max_length)
-        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], max_length,
+        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size], max_prompt_length)
+        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], None,
                                                   stop_token_ids(model, tokenizer))
         ids = torch.cat([p_ids, c_ids], 1).to(model.device)
         mask = torch.cat([p_mask, c_mask], 1).to(model.device)
@@ -384,11 +402,11 @@ def reward_model_scores(model, tokenizer, prompts, completions, batch_size=64, m
     return torch.cat(scores)
 
 
-def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_length=None):
+def score_texts(model, tokenizer, prompts, completions, batch_size=64, max_prompt_length=None):
     """Reward-model scores of dataset prompts (text or conversations) and their completions (text,
     or assistant messages), rendered through the reward model's own tokenizer and chat template,
-    as reward.py rendered its training pairs: (N,) on the CPU."""
+    as reward.py rendered its training pairs: (N,) on the CPU. Only the prompt is cut (to its
+    last `max_prompt_length` tokens); the reward model reads the whole completion."""
     rendered = [data.render_prompt(tokenizer, p) for p in prompts]
     answers = [data.render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
-    return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_length)
-
+    return reward_model_scores(model, tokenizer, rendered, answers, batch_size, max_prompt_length)

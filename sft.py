@@ -76,8 +76,9 @@ def sft_loss(logprobs, completion_mask, num_tokens):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, pairs, args):
-    """--eval_dataset: the loss (mean NLL over every trained token) on held-out pairs, dropout off."""
+def evaluate(model, tokenizer, pairs, args, stop_ids):
+    """--eval_dataset: the loss (mean NLL over every trained token) on held-out pairs, dropout off,
+    encoded as training encodes its rows (the same `stop_ids`: sampling.stop_token_ids)."""
     was_training, device = model.training, common.device()
     model.eval()
     total, count = 0.0, 0
@@ -86,7 +87,7 @@ def evaluate(model, tokenizer, pairs, args):
         prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in chunk],
                                                         args.max_prompt_length)
         completion_ids, completion_mask, loss_mask = data.encode_turns(
-            tokenizer, [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length)
+            tokenizer, [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_completion_length, stop_ids)
         logprobs = sampling.completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
                                                 completion_ids.to(device), completion_mask.to(device))
         total -= float((logprobs * loss_mask.to(device)).sum())
@@ -96,6 +97,7 @@ def evaluate(model, tokenizer, pairs, args):
 
 
 def main():
+    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
         memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
@@ -105,7 +107,7 @@ def main():
     device = common.device()
 
     # ---- data, then the model and tokenizer (a from-scratch tokenizer is fitted to the data)
-    ds = data.training_data(args, "sft")
+    ds = data.training_data(args, script)
     pairs = data.sft_pairs(ds, args.dataset)
     from_scratch = args.model == ""
     if from_scratch and args.use_peft:
@@ -138,23 +140,23 @@ def main():
     eval_ds = data.eval_data(args)
     eval_pairs = data.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
     data.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
-    print(f"sft: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
+    print(f"{script}: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
     truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
-                 "completions_truncated": data.count_truncated(tokenizer, completions, args.max_completion_length, True)}
+                 "completions_truncated": data.count_truncated(tokenizer, turns, args.max_completion_length, stop_ids)}
     if any(truncated.values()):
-        print(f"sft: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
+        print(f"{script}: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
               f"--max_completion_length {args.max_completion_length} are cut (their EOS is not learned)")
     global_batch = args.batch_size * parallel.world_size()
     if len(pairs) < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
-        print(f"sft: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
+        print(f"{script}: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
 
     init = {}
     if args.dataset == common.EMBEDDED and from_scratch:  # the floor the policy must rise from
         init = {"init_gold_score": common.gold_eval(model, tokenizer, args)["gold_score"]}
-        print(f"sft: random-init gold score {init['init_gold_score']:.3f}")
+        print(f"{script}: random-init gold score {init['init_gold_score']:.3f}")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)
@@ -163,7 +165,7 @@ def main():
     logger = tracking.MetricsLogger(args, start_step)
 
     # ---- loop
-    pbar = tracking.progress(args, start_step, desc="sft")
+    pbar = tracking.progress(args, start_step, desc=script)
     losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
         batches = []
@@ -194,7 +196,7 @@ def main():
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
         if eval_pairs and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args)}
+            eval_metrics = {"eval_loss": evaluate(model, tokenizer, eval_pairs, args, stop_ids)}
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
@@ -208,11 +210,11 @@ def main():
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev, **world.world_stats(common.embedded_world(args.seed)))
-        print(f"sft: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
+        print(f"{script}: test gold score {ev['gold_score']:.3f} (references {summary['reference_gold']:.3f}, "
               f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"sft: saved to {args.output_dir}")
+    print(f"{script}: saved to {args.output_dir}")
 
 
 if __name__ == "__main__":

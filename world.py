@@ -25,7 +25,6 @@ import os
 import random
 import re
 
-from datasets import Dataset
 
 import scratch
 from scratch import build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
@@ -263,6 +262,8 @@ def build_world(seed=0, sizes=None):
     for _ in range(sizes["rl"]):
         post, _facts = fresh_post()
         rl.append({"prompt": prompt(post), "post": post})
+    from datasets import Dataset  # a slow import: not for --help
+
     return {name: Dataset.from_list(rows) for name, rows in
             [("sft", sft), ("prefs", prefs), ("rl", rl), ("test", test)]}
 

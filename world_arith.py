@@ -30,7 +30,6 @@ the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python 
 import random
 import re
 
-from datasets import Dataset
 
 SPEC = "embedded:arith"  # --dataset value; "embedded:arith:2" (chains) or "embedded:arith:1,2" (mixed levels)
 PROMPT_TEMPLATE = "Q: {question}="  # the completion is the scratchpad, " ... A: <answer>"
@@ -184,6 +183,8 @@ def build_world(seed=0, levels=(1,), sizes=None):
         text, written, _slipped = demonstrate(rng, numbers)
         sft.append({**row(level, numbers), "completion": text, "correct": written == sum(numbers)})
     rl = [row(*fresh_problem()) for _ in range(sizes["rl"])]
+    from datasets import Dataset  # a slow import: not for --help
+
     return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
 
 

@@ -97,7 +97,8 @@ def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen,
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     run = _launch(["grpo.py", *argv, "--batch_size", "2", "--output_dir", two], nproc=2)
     run_main(grpo, argv + ["--batch_size", "4", "--output_dir", one], monkeypatch)  # 1 rank, in this process
-    assert _finish(run).count("saved to") == 1  # only rank 0 prints
+    printed = _finish(run)
+    assert printed.count("saved to") == 1 and printed.count("counts prompts") == 1  # only rank 0 prints, notes too
     rows = _metrics(two)
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["clip_ratio"] == 0
     assert os.path.exists(os.path.join(two, "checkpoint-2", "trainer_state.pt"))

@@ -85,7 +85,8 @@ def test_step_zero_loss_is_ln2_and_margins_are_zero(loss_type, eps):
     args = _args(loss_type=loss_type)
     cache = dpo.precompute_ref_logps(model, tok, prompts, chosen, rejected, args)  # batches of 3
     idx = [5, 0, 2, 7]
-    batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args)
+    batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args,
+                             [tok.eos_token_id])
     chosen_logps, rejected_logps = dpo.pair_logps(model, batch, loss_type)
     losses, chosen_rewards, rejected_rewards = dpo.dpo_loss(
         chosen_logps, rejected_logps, *cache[idx].unbind(1), 0.1, loss_type, eps)
@@ -104,7 +105,8 @@ def test_precomputed_and_live_reference_give_the_same_loss(loss_type):
     ref_model = common.freeze(copy.deepcopy(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # train the policy away from the reference
     idx = [6, 1, 3, 4]
-    batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args)
+    batch = dpo.encode_pairs(tok, [prompts[i] for i in idx], [chosen[i] for i in idx], [rejected[i] for i in idx], args,
+                             [tok.eos_token_id])
     for _ in range(2):
         c, r = dpo.pair_logps(model, batch, loss_type)
         dpo.dpo_loss(c, r, *cache[idx].unbind(1), 0.1, loss_type)[0].mean().backward()
@@ -122,7 +124,7 @@ def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     prompts, chosen, rejected = _pairs(4)
-    batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args())
+    batch = dpo.encode_pairs(tok, list(prompts), list(chosen), list(rejected), _args(), [tok.eos_token_id])
     chosen_logps, _ = dpo.pair_logps(model, batch, "sigmoid")
     c_mask = batch["completion_mask"][:4]
     nll = dpo.chosen_nll(chosen_logps, c_mask, "sigmoid")

@@ -143,13 +143,18 @@ def test_two_level_bootstrap_without_seed_effect_stays_close_to_prompt_only():
 def test_methods_from_the_command_line(tmp_path, monkeypatch):
     for run in ["a/seed0", "a/seed1", "a/seed10", "b/seed0", "sft"]:
         (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "config.json").write_text("{}")
+    (tmp_path / "a" / "seed1.log").write_text("a training log")  # a glob's files and other folders are not runs
+    (tmp_path / "a" / "seed2").mkdir()
     monkeypatch.chdir(tmp_path)
     methods = ev.parse_methods(["sft", "a=a/seed*", "mine=b/seed0,sft"])
     assert methods == [("sft", ["sft"]), ("a", ["a/seed0", "a/seed1", "a/seed10"]), ("mine", ["b/seed0", "sft"])]
     assert ev.run_names(methods) == [["sft"], ["a/seed0", "a/seed1", "a/seed10"], ["mine/seed0", "mine/sft"]]
     assert ev.parse_methods(["runs/x/sft", "runs/y/sft"]) == [("x/sft", ["runs/x/sft"]), ("y/sft", ["runs/y/sft"])]
-    with pytest.raises(SystemExit, match="matches no folder"):
+    with pytest.raises(SystemExit, match="matches no model folder"):
         ev.parse_methods(["a=c/seed*"])
+    with pytest.raises(SystemExit, match=r"matches no model folder \(a folder with config.json\); it matches only a/seed1.log"):
+        ev.parse_methods(["a=a/*.log"])
     with pytest.raises(SystemExit, match="two methods are named"):
         ev.parse_methods(["a=a/seed0", "a=b/seed0"])
     with pytest.raises(SystemExit, match="name"):
@@ -424,3 +429,31 @@ def test_group_stats_per_level_with_both_cis():
         s = stats[g]
         assert s["seed_ci_high"] - s["seed_ci_low"] > 1.5 * (s["ci_high"] - s["ci_low"])
         assert s["seed_ci_low"] <= s["score"] <= s["seed_ci_high"]
+
+
+def test_elo_under_complete_separation_is_reported_unbounded():
+    """20 wins of 20: Bradley-Terry's Elo is +inf; the report says '>= x (unbounded)' with a note,
+    not a finite score with a zero-width interval ("1645 (1645, 1645)")."""
+    import reports
+
+    wins = ev.win_matrix({(0, 1): 0.0}, 20, 2)  # policy 1 won all 20 games
+    assert ev.unbounded_elo(wins).tolist() == [0, 1]
+    three = ev.win_matrix({(0, 1): 12.0, (0, 2): 0.0, (1, 2): 0.5}, 20, 3)  # 2 lost only half a game: a tie links
+    assert ev.unbounded_elo(three).tolist() == [0, 0, 0]
+    three = ev.win_matrix({(0, 1): 12.0, (0, 2): 20.0, (1, 2): 20.0}, 20, 3)  # 2 lost every game
+    assert ev.unbounded_elo(three).tolist() == [0, 0, -1]
+    elo = ev.bradley_terry_elo(wins)
+    settings = {"judge": "gold", "reward_fn": "gold", "verifier": False, "judge_name": "gold", "num_bootstrap": 10,
+                "seed": 0, "num_prompts": 20, "dataset": "d", "do_sample": False, "max_completion_length": 8,
+                "num_samples": 0, "group_by": "", "tie_margin": 0.0}
+    score = {"score": 0.5, "score_ci_low": 0.4, "score_ci_high": 0.6, "score_seed_ci_low": 0.4, "score_seed_ci_high": 0.6}
+    results = {"settings": settings,
+               "pairwise": [{"policy_a": "b", "policy_b": "a", "wins": 20, "ties": 0, "losses": 0, "win_rate": 1.0,
+                             "ci_low": 1.0, "ci_high": 1.0, "seed_ci_low": 1.0, "seed_ci_high": 1.0}],
+               "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo[i]), "ci_high": float(elo[i]),
+                              "seed_ci_low": float(elo[i]), "seed_ci_high": float(elo[i]), "unbounded": u}
+                       for i, (name, u) in enumerate(zip("ab", ev.unbounded_elo(wins).tolist()))},
+               "policies": {name: {"runs": [name], "mean_length": 3.0, **score} for name in "ab"}}
+    text = reports.markdown_report(results, ["a", "b"], None)
+    assert f">= {elo[1]:.0f} (unbounded)" in text and "complete separation" in text
+    assert f"{elo[1]:.0f} ({elo[1]:.0f}, {elo[1]:.0f})" not in text

@@ -239,3 +239,39 @@ def test_two_micro_batches_train_like_one(loss_type):
     two = _step_over_micro_batches([slice(0, 8), slice(8, 16)], rewards, batch, _args(loss_type=loss_type))
     for x, y in zip(one, two):
         torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("batch_size, note", [
+    ("16", "--batch_size 16 counts prompts, so a micro-batch holds 16 x 8 = 128 completions, TRL's "
+           "per_device_train_batch_size 128 (TRL's counts completions; TRL's 16 is --batch_size 2 here)."),
+    ("2", "--batch_size 2 counts prompts, so a micro-batch holds 2 x 8 = 16 completions, TRL's per_device_train_batch_size "
+          "16 (TRL's counts completions; TRL's 2 is not a whole number of groups of 8: use a multiple of 8 there).")])
+def test_batch_note_arithmetic(tmp_path, monkeypatch, capsys, batch_size, note):
+    """The note for configs ported from TRL converts in the right direction (it said "use
+    --batch_size 1 for TRL's 2" with 8 generations, and "for TRL's 1" with --batch_size 1)."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--batch_size", batch_size, "--num_generations", "8",
+                                      "--dataset", str(tmp_path / "missing.jsonl"), "--output_dir", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):  # the note comes first, then the missing dataset stops the run
+        grpo.main()
+    assert f"grpo: note: {note}" in capsys.readouterr().out
+
+
+def test_a_fork_says_its_own_name(tmp_path, tiny_qwen, monkeypatch, capsys):
+    """cp grpo.py my_grpo.py: its note, progress bar and "saved to" say my_grpo, not grpo."""
+    import sys
+
+    import tracking
+
+    descs, progress = [], tracking.progress
+    monkeypatch.setattr(tracking, "progress", lambda args, start, desc: descs.append(desc) or progress(args, start, desc))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(sys, "argv", ["my_grpo.py", "--model", tiny_qwen, "--batch_size", "2", "--num_generations", "2",
+                                      "--max_steps", "1", "--max_completion_length", "4", "--output_dir", out])
+    capsys.readouterr()
+    grpo.main()
+    printed = capsys.readouterr().out
+    assert descs == ["my_grpo"] and "my_grpo: note: --batch_size 2" in printed and f"my_grpo: " in printed
+    assert f"saved to {out}" in printed and "\ngrpo:" not in "\n" + printed

@@ -383,3 +383,21 @@ def test_reward_functions_return_any_real_number_and_may_not_exit():
 
     msg = _error(common.call_reward_fn, quits, ["ok", "a bad one"], ["x", "y"])
     assert "reward function quits raised SystemExit: 3" in msg and "prompt 1" in msg and "a bad one" in msg
+
+
+def test_help_imports_no_heavy_module():
+    """--help parses Args only: it must not import datasets, the distributed-tensor stack or
+    transformers' model code (14 s before, now torch + transformers' argument parser alone)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    heavy = ("datasets", "torch.distributed.tensor", "transformers.cache_utils", "transformers.modeling_utils")
+    code = ("import runpy, sys\nsys.argv = ['grpo.py', '--help']\ntry:\n    runpy.run_path('grpo.py', run_name='__main__')\n"
+            f"except SystemExit:\n    pass\nprint('loaded:', [m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    assert "loaded: []" in out, out[-500:]
+    # --no_merge_adapters has its own help (HF's parser repeated --merge_adapters' "also writes the adapters merged")
+    no_merge = out[out.index("  --no_merge_adapters"):]
+    assert "writes only the" in no_merge[:300] and "also writes" not in no_merge[:300]

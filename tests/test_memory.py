@@ -112,6 +112,24 @@ def test_estimate_memory_command_line(qwen15_config, monkeypatch, capsys):
     assert not os.path.exists(os.path.join(qwen15_config, "model.safetensors"))
 
 
+def test_estimate_memory_with_dtype_auto_plans_for_the_gpu(qwen15_config, monkeypatch, capsys):
+    """--dtype auto (the default) plans in bf16, what it loads on the GPU the plan is for, even on a
+    machine without one (it planned fp32 there: twice the weights), and says so."""
+    from conftest import run_main
+
+    out = {}
+    for dtype in ([], ["--dtype", "bfloat16"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            run_main(sft, ["--model", qwen15_config, "--batch_size", "2", "--estimate_memory", *dtype], monkeypatch)
+        assert e.value.code == 0
+        out[bool(dtype)] = capsys.readouterr().out
+    table = lambda text: [line for line in text.splitlines() if not line.startswith("--dtype auto")]
+    assert table(out[False]) == table(out[True]) and "torch.bfloat16" in out[False]
+    if not torch.cuda.is_available():
+        assert "--dtype auto planned in bf16" in out[False] and "pass --dtype float32" in out[False]
+
+
 def test_log_memory_splits_one_optimizer_by_module(tmp_path):
     """ppo.py's single optimizer over actor and critic: each model's states are measured apart."""
 

@@ -214,21 +214,42 @@ def test_gradient_checkpointing_shrinks_ppo_activations(tmp_path, tiny_qwen, mon
     assert ckpt < 0.6 * plain, (plain, ckpt)
 
 
-def test_critic_starts_centred_like_the_score(tiny_qwen, tiny_reward_model):
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_critic_starts_centred_like_the_score(tiny_qwen, tiny_reward_model, use_peft):
     """PPO scores R_psi(x, y) - reward_mean; the critic from the same reward model must start shifted
-    the same way (it started off by reward_mean): its values are the reward model's minus reward_mean."""
+    the same way (it started off by reward_mean): its values are the reward model's minus reward_mean,
+    with --use_peft too (there the critic was left uncentred), whose R_psi (the critic's base with
+    its adapters off) stays the reward model itself."""
     from transformers import AutoModelForSequenceClassification
 
-    class A:
-        dtype, attn_implementation, trust_remote_code = "float32", "sdpa", False
-
+    args = ppo.Args(model=tiny_qwen, reward_model=tiny_reward_model, dtype="float32", attn_implementation="sdpa",
+                    use_peft=use_peft, lora_dropout=0.0)
     tok = common.load_tokenizer(tiny_qwen)
-    critic = ppo.load_critic(tiny_reward_model, A, 0.25)
+    critic = ppo.centre_critic(ppo.load_critic(tiny_reward_model, args), 0.25)
     raw = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, num_labels=1)
     p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
     c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " bob"])
     with torch.no_grad():
         values = ppo.token_values(critic, p_ids, p_mask, c_ids, c_mask)
-        expected = (ppo.token_values(raw, p_ids, p_mask, c_ids, c_mask) - 0.25) * c_mask
-    torch.testing.assert_close(values, expected)
+        expected = ppo.token_values(raw, p_ids, p_mask, c_ids, c_mask) * c_mask
+        torch.testing.assert_close(values, (expected - 0.25) * c_mask)
+        if use_peft:  # R_psi is the critic's base: uncentred (ppo.score subtracts reward_mean)
+            with ppo.lora.adapters_off(critic):
+                torch.testing.assert_close(ppo.token_values(critic, p_ids, p_mask, c_ids, c_mask), expected)
     assert critic.score.bias.requires_grad  # the critic learns its own offset from there
+
+
+def test_use_peft_starts_the_critic_where_full_training_does(tmp_path, tiny_qwen, tiny_reward_model, monkeypatch):
+    """One rollout with and without --use_peft (zero-initialised adapters: the same policy, the same
+    samples): the critic's first values and value loss agree (with peft they were off by reward_mean)."""
+    from conftest import run_main
+
+    rows = {}
+    for peft in ([], ["--use_peft", "--lora_dropout", "0"]):
+        out = str(tmp_path / f"ppo{len(peft)}")
+        run_main(ppo, ["--model", tiny_qwen, "--reward_model", tiny_reward_model, "--output_dir", out, "--max_steps", "1",
+                       "--batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--max_completion_length",
+                       "6", "--optim", "adamw", "--attn_implementation", "sdpa", *peft], monkeypatch)
+        rows[bool(peft)] = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    for key in ("reward", "value", "vf_loss"):
+        assert rows[True][key] == pytest.approx(rows[False][key], abs=1e-4), key

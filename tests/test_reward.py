@@ -113,3 +113,28 @@ def test_gradient_checkpointing_shrinks_reward_model_activations(tmp_path, tiny_
     run_main(reward, argv + ["--output_dir", str(tmp_path / "ckpt"), "--gradient_checkpointing"], monkeypatch)
     plain, ckpt = saved
     assert ckpt < 0.6 * plain, (plain, ckpt)
+
+
+def test_reward_models_read_the_whole_completion_in_grpo_and_ppo(tiny_qwen):
+    """grpo.score and ppo.score cut only the prompt (--max_prompt_length): two 64-token completions
+    that differ after their 60th token score differently at --max_prompt_length 32 (they were both
+    cut at 32 tokens and scored identically)."""
+    from types import SimpleNamespace
+
+    import grpo
+    import ppo
+    from transformers import AutoModelForSequenceClassification
+
+    tok = common.load_tokenizer(tiny_qwen)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_qwen, num_labels=1).eval()
+    texts = [" alice" * 61 + " bob lost phone", " alice" * 61 + " bob bought bike"]
+    assert [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts] == [64, 64]
+    prompts = ["POST: alice bought the bike . TL;DR:"] * 2
+    args = SimpleNamespace(max_prompt_length=32, max_completion_length=64, eval_batch_size=8)
+    by_grpo = grpo.score([{"model": rm, "tokenizer": tok, "name": "rm"}], prompts, texts, {}, args)[:, 0]
+    by_ppo = ppo.score(None, rm, tok, prompts, texts, {}, args)
+    whole = sampling.reward_model_scores(rm, tok, prompts, texts)  # nothing cut
+    torch.testing.assert_close(by_grpo, whole)
+    torch.testing.assert_close(by_ppo, whole)
+    assert abs(float(whole[0] - whole[1])) > 1e-4

@@ -104,7 +104,7 @@ def test_exponential_race_samples_the_softmax():
 
 def test_seeded_samples_of_rank_shards_equal_the_whole_batch(tiny_qwen, monkeypatch):
     """generate(seed=s) on N ranks, each with its contiguous shard of the prompts, samples what one
-    process samples for the whole batch (the noise of every rank's rows is drawn on each rank);
+    process samples for the whole batch (each row's noise is keyed by seed, step and global row);
     the same seed samples the same again, another seed something else."""
     import parallel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,6 +126,30 @@ def test_seeded_samples_of_rank_shards_equal_the_whole_batch(tiny_qwen, monkeypa
         monkeypatch.setattr(parallel, "rank", lambda r=r: r)
         shards += sample(slice(2 * r, 2 * r + 2), 7)
     assert shards == whole
+
+
+def test_each_rank_draws_only_its_own_rows_noise(tiny_qwen, monkeypatch):
+    """Rank 3 of 8 with 6 rows draws (6, vocab) uniforms per decoding step, not (8 x 6, vocab)."""
+    import parallel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    ids, mask = data.encode_prompts(tok, ["POST: bob sold the car . TL;DR:", "POST: alice lost it . TL;DR:"])
+    monkeypatch.setattr(parallel, "world_size", lambda: 8)
+    monkeypatch.setattr(parallel, "rank", lambda: 3)
+    drawn, rand = [], torch.rand
+
+    def counting_rand(*shape, generator=None, **kw):
+        if generator is not None:
+            drawn.append(torch.Size(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape).numel())
+        return rand(*shape, generator=generator, **kw)
+
+    monkeypatch.setattr(torch, "rand", counting_rand)
+    _, c_mask, _ = sampling.generate(model, tok, ids, mask, 4, 1.0, num_return_sequences=3, seed=7)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    steps = c_mask.shape[1]
+    assert max(drawn) <= 6 * vocab and sum(drawn) == steps * 6 * vocab
 
 
 # ------------------------------------------------------------------ generation
