@@ -82,7 +82,7 @@ EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_
 class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
-    reward_fn: str = field(default="", metadata={"help": "file.py:function (or 'gold') used instead of the reward model: fn(prompts, completions, **columns) -> list[float]."})
+    reward_fn: str = field(default="", metadata={"help": "file.py:function (or 'gold') used instead of the reward model, called by keyword as TRL calls it (README)."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # generation
@@ -263,12 +263,15 @@ def slice_batch(batch, idx):
 
 
 @torch.no_grad()
-def score(reward_fn, reward_model, rm_tokenizer, prompts, texts, columns, args):
-    """R(x, y) of decoded completions (N,): the verifier on TRL's form of the text, with the
-    dataset's other columns, or the reward model on reward.py's rendering of it (uncentred)."""
+def score(reward_fn, reward_model, rm_tokenizer, prompts, texts, completion_ids, columns, args, step=0, logs=None):
+    """R(x, y) of decoded completions (N,): the reward function on TRL's form of the text, called
+    as TRL calls it (with the token ids, the dataset's other columns and the step; a None reward
+    stops the run: PPO needs a score for every completion), or the reward model on reward.py's
+    rendering of it (uncentred)."""
     completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
     if reward_fn is not None:
-        return common.call_reward_fn(reward_fn, prompts, completions, columns)
+        return common.call_reward_fns([reward_fn], prompts, completions, completion_ids, columns, 1, step,
+                                      args.max_steps, logs)[:, 0]
     return sampling.score_texts(reward_model, rm_tokenizer, prompts, completions, args.eval_batch_size,
                                 args.max_prompt_length)
 
@@ -279,11 +282,11 @@ def on_device(model, device, offload):
 
 
 @torch.no_grad()
-def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args):
+def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args, step=0):
     """--eval_dataset: eval_reward, the mean score of one greedy completion per held-out prompt,
     scored as the rollout scores (centred reward model or --reward_fn; no EOS: -missing_eos_penalty)."""
     device, offload = common.device(), torch.device("cpu") if args.offload_frozen else common.device()
-    columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
+    columns = {c: list(eval_ds[c]) for c in eval_ds.column_names if c != "prompt"}  # lists, not `datasets` Columns
     reward_model = on_device(reward_model, device, args.offload_frozen) if reward_model is not None else None
     scores = []
     for s in range(0, len(eval_ds), args.eval_batch_size):
@@ -293,8 +296,8 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokeniz
         c_ids, c_mask, truncated = sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length, do_sample=False)
         texts = sampling.decode_completions(tokenizer, c_ids, c_mask, truncated)
         with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
-            scored = score(reward_fn, reward_model, rm_tokenizer, raw, texts,
-                           {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, args).cpu() - reward_mean
+            scored = score(reward_fn, reward_model, rm_tokenizer, raw, texts, sampling.completion_id_lists(c_ids, c_mask),
+                           {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, args, step).cpu() - reward_mean
         scores.append(torch.where(truncated.cpu(), -args.missing_eos_penalty, scored))
     if reward_model is not None:
         on_device(reward_model, offload, args.offload_frozen)
@@ -429,9 +432,12 @@ def main():
             # score on chosen responses
             texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
             reward_model = on_device(reward_model, device, args.offload_frozen)
+            reward_logs = {"metrics": {}, "extra": {}}  # what a reward function logs (log_metric, log_extra)
             with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
                 scores = score(reward_fn, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
-                               {k: [v[i] for i in idx] for k, v in columns.items()}, args).to(device) - reward_mean  # (N,)
+                               sampling.completion_id_lists(batch["completion_ids"], batch["completion_mask"]),
+                               {k: [v[i] for i in idx] for k, v in columns.items()}, args, step,
+                               reward_logs).to(device) - reward_mean  # (N,)
             reward_model = on_device(reward_model, offload_device, args.offload_frozen)
             scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
             common.check_finite("reward", scores, step + 1)
@@ -480,16 +486,18 @@ def main():
             "kl": kl.sum(1).mean(), **tracking.mean_metrics(stats),
             "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
             "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
-            "grad_norm": grad_norm, "step_time": time.time() - t0},
+            "grad_norm": grad_norm, "step_time": time.time() - t0,
+            **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()}},  # the reward function's log_metric
             num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)
             if args.log_completions:
                 texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
-                                       {"score": scores, "kl": kl.sum(1)})
+                                       {"score": scores, "kl": kl.sum(1), **reward_logs["extra"]})
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args)
+            eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fn, reward_mean, tokenizer, eval_ds, args,
+                                    step + 1)
             logger.log_eval(step + 1, eval_metrics)
             final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:

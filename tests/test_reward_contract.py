@@ -50,25 +50,25 @@ def test_every_script_scores_a_completion_alike(tmp_path):
     texts = sampling.decode_completions(tok, c_ids, c_mask, torch.tensor([False, False]))
     assert texts == [" alice bought bike .", "bob lost phone ."]  # the text itself: no EOS, nothing added or stripped
     columns = {"post": ["alice bought the bike .", "bob lost the phone ."]}
-    args = SimpleNamespace(eval_batch_size=8, max_prompt_length=512, reward_model=rm_path, reward_fn=spec, reward_weights="",
+    args = SimpleNamespace(eval_batch_size=8, max_prompt_length=512, reward_model=rm_path, reward_fn=spec, reward_weights="", max_steps=1,
                            dtype="float32", attn_implementation="sdpa", trust_remote_code=False)
 
     # grpo.py: both sources at once, (N, K); the reward model centred by its reward_mean (0 here)
     rewards, _ = grpo.load_rewards(args)
-    by_grpo = grpo.score(rewards, prompts, texts, columns, args)
+    by_grpo = grpo.score(rewards, prompts, texts, None, columns, args)
     fn_scores, rm_scores = by_grpo[:, 0], by_grpo[:, 1]
     seen = rewards[0]["fn"].__globals__["SEEN"]
     assert seen == texts  # the function read the decoded text itself, after text and conversation alike
     # ppo.py
     rm, rm_tok = common.load_reward_model(rm_path, args)
-    torch.testing.assert_close(ppo.score(common.load_reward_fn(spec), None, None, prompts, texts, columns, args), fn_scores)
-    torch.testing.assert_close(ppo.score(None, rm, rm_tok, prompts, texts, columns, args), rm_scores)
+    torch.testing.assert_close(ppo.score(common.load_reward_fn(spec), None, None, prompts, texts, None, columns, args), fn_scores)
+    torch.testing.assert_close(ppo.score(None, rm, rm_tok, prompts, texts, None, columns, args), rm_scores)
     # dpo.py --online: its judges receive sample_pairs' reward_completions
     completions = sampling.reward_completions(prompts, texts)
     judge, _ = dpo.make_judge(SimpleNamespace(**{**vars(args), "reward_model": ""}), False)
-    torch.testing.assert_close(judge(prompts, completions, columns), fn_scores)
+    torch.testing.assert_close(judge(prompts, completions, None, columns), fn_scores)
     judge, _ = dpo.make_judge(SimpleNamespace(**{**vars(args), "reward_fn": ""}), False)
-    torch.testing.assert_close(judge(prompts, completions, columns), rm_scores)
+    torch.testing.assert_close(judge(prompts, completions, None, columns), rm_scores)
     # eval.py --judge gold --reward_fn ... and --judge rm:PATH
     by_eval = ev.judge_scores("gold", None, {"p": texts}, prompts, columns, args)["p"]
     torch.testing.assert_close(torch.tensor(by_eval, dtype=torch.float32), fn_scores)
