@@ -728,6 +728,14 @@ def weighted_rewards(scores, weights):
     return torch.where(scores.isnan().all(1), float("nan"), reward)
 
 
+def load_reward_fns(specs, weights=""):
+    """--reward_fn 'a,b,...' and --reward_weights 'w_a,w_b,...' -> (the functions, (K,) weights)."""
+    fns = [load_reward_fn(spec) for spec in specs.split(",") if spec]
+    if not fns:
+        fail("--reward_fn is empty: pass gold, arith_strict, arith_lenient or file.py:function (comma-separated).")
+    return fns, parse_reward_weights(weights, [getattr(fn, "__name__", str(fn)) for fn in fns])
+
+
 def parse_reward_weights(spec, names):
     """--reward_weights 'w1,w2,...' -> (K,) weights, one per reward (default: all 1)."""
     if not spec:

@@ -83,7 +83,8 @@ class Args(SamplingArgs):
     precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
     online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
-    reward_fn: str = field(default="", metadata={"help": "Online judge: file.py:function, called by keyword as TRL calls reward functions (README), or 'gold'."})
+    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions, file.py:function (or 'gold'), called by keyword as TRL calls them (README)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the judge's score is the weighted sum over the functions that do not return None."})
     # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
     learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate (TRL's; embedded world: 1e-5 offline, 3e-4 online)."})
@@ -189,10 +190,11 @@ def make_judge(args, world_data):
     if not args.reward_fn and not world_data:
         common.fail("--online on your own --dataset needs a judge: pass --reward_model PATH (from reward.py) "
                     "or --reward_fn file.py:function.")
-    fn = common.load_reward_fn(args.reward_fn or "gold")
+    fns, weights = common.load_reward_fns(args.reward_fn or "gold", args.reward_weights)
 
     def judge(prompts, completions, completion_ids, columns, step=0):
-        return common.call_reward_fns([fn], prompts, completions, completion_ids, columns, 2, step, args.max_steps)[:, 0]
+        scores = common.call_reward_fns(fns, prompts, completions, completion_ids, columns, 2, step, args.max_steps)
+        return common.weighted_rewards(scores, weights)
 
     return judge, None
 

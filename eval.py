@@ -502,21 +502,13 @@ def pass_ks(args):
     return ks
 
 
-def reward_fns(args):
-    """--reward_fn's functions and --reward_weights' weights (K,)."""
-    fns = [common.load_reward_fn(spec) for spec in args.reward_fn.split(",") if spec]
-    if not fns:
-        common.fail("--reward_fn is empty: pass gold, arith_strict, arith_lenient or file.py:function (comma-separated).")
-    return fns, common.parse_reward_weights(args.reward_weights, [getattr(f, "__name__", str(f)) for f in fns])
-
-
 def judge_name(kind, args):
     """The judge as reports name it: the reward functions by their own names, else the --judge spec."""
     if kind != "gold":
         return args.judge
     if args.reward_fn == "gold":
         return "gold"
-    fns, _ = reward_fns(args)
+    fns, _ = common.load_reward_fns(args.reward_fn, args.reward_weights)
     return ",".join(getattr(fn, "__name__", str(fn)) for fn in fns)
 
 
@@ -538,7 +530,7 @@ def judge_scores(kind, arg, responses, raw_prompts, columns, args, completion_id
     template. `completion_ids`: {name: token id lists}; rows in groups of `group_size` (pass@k)."""
     completions = {name: sampling.reward_completions(raw_prompts, texts) for name, texts in responses.items()}
     if kind == "gold":
-        fns, weights = reward_fns(args)
+        fns, weights = common.load_reward_fns(args.reward_fn, args.reward_weights)
         ids = completion_ids or {}
         return {name: common.weighted_rewards(common.call_reward_fns(fns, raw_prompts, c, ids.get(name), columns, group_size),
                                               weights).double().numpy()
@@ -569,7 +561,7 @@ def main():
     if args.num_samples and kind != "gold":
         common.fail("--num_samples (pass@k) needs a verifier as the judge: --judge gold --reward_fn arith_strict (or file.py:fn returning 0 or 1).")
     if kind == "gold" and args.reward_fn != "gold":
-        reward_fns(args)  # fail now, not after generating
+        common.load_reward_fns(args.reward_fn, args.reward_weights)  # fail now, not after generating
     paths = [p for _, run_paths in methods for p in run_paths]
     for path in paths + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
         common.check_model_source(path)

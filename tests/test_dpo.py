@@ -211,7 +211,7 @@ def test_online_end_to_end_with_a_reward_function(tmp_path, tiny_qwen):
 
 def _online_args(**kw):
     base = dict(max_prompt_length=512, max_new_tokens=6, temperature=1.0, eval_batch_size=64, loss_type="sigmoid",
-                reward_model="", reward_fn="", dtype="float32", attn_implementation="sdpa", trust_remote_code=False,
+                reward_model="", reward_fn="", reward_weights="", max_steps=1, dtype="float32", attn_implementation="sdpa", trust_remote_code=False,
                 top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seed=0)
     return SimpleNamespace(**{**base, **kw})
 

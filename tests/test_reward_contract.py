@@ -61,7 +61,7 @@ def test_every_script_scores_a_completion_alike(tmp_path):
     assert seen == texts  # the function read the decoded text itself, after text and conversation alike
     # ppo.py
     rm, rm_tok = common.load_reward_model(rm_path, args)
-    torch.testing.assert_close(ppo.score(common.load_reward_fn(spec), None, None, prompts, texts, None, columns, args), fn_scores)
+    torch.testing.assert_close(ppo.score(common.load_reward_fns(spec), None, None, prompts, texts, None, columns, args), fn_scores)
     torch.testing.assert_close(ppo.score(None, rm, rm_tok, prompts, texts, None, columns, args), rm_scores)
     # dpo.py --online: its judges receive sample_pairs' reward_completions
     completions = sampling.reward_completions(prompts, texts)
