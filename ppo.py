@@ -462,8 +462,8 @@ def main():
             for start in range(0, rollout_batch, mb_size):
                 micro_idx = [perm[m:m + args.batch_size] for m in range(start, start + mb_size, args.batch_size)]
                 num_tokens = minibatch_tokens([batch["completion_mask"][i] for i in micro_idx])
-                for idx in micro_idx:
-                    mb = slice_batch(batch, idx)
+                for mb_idx in micro_idx:  # not `idx`: --log_completions reads the rollout's prompts below
+                    mb = slice_batch(batch, mb_idx)
                     mb_mask = mb["completion_mask"].float()
                     logprobs, entropy, mb_values = policy_and_values(policy, critic, mb, args.temperature)
                     pg_loss, pg_stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb_mask,

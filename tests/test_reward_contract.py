@@ -4,8 +4,10 @@ holding it after a conversational prompt), a reward model reward.py's rendering 
 reward function and one reward model give identical scores through grpo.py, ppo.py,
 dpo.py --online and eval.py."""
 
+import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import chat_tokenizer
 
@@ -80,3 +82,237 @@ def test_every_script_scores_a_completion_alike(tmp_path):
         trained, _ = reward.pair_scores(rm, rm_tok, reward.render(rm_tok, [(p, answer, answer)]),
                                         SimpleNamespace(max_prompt_length=512, max_completion_length=256))
         assert abs(float(trained[0]) - float(rm_scores[i])) < 1e-5
+
+
+# ============================================================================ TRL's reward functions, unchanged
+# TRL's documented reward functions as TRL's docs write them (not imported): the quick-start
+# length reward, think_format_reward, an accuracy reward with a `solution` column (None where the
+# solution cannot be parsed, as TRL's accuracy_reward), one written (completions, prompts, **kw),
+# one returning None for some samples (it reads completion_ids), one async (it logs a metric).
+# `recorded` appends every call's keywords and rewards to $REWARD_CALLS for the test.
+TRL_REWARDS = '''
+import asyncio
+import functools
+import inspect
+import json
+import os
+import re
+
+
+def recorded(fn):
+    def record(kwargs, rewards):
+        path = os.environ.get("REWARD_CALLS")
+        if path:
+            state = kwargs.get("trainer_state")
+            row = {"fn": fn.__name__, "rewards": list(rewards), "global_step": getattr(state, "global_step", None),
+                   "max_steps": getattr(state, "max_steps", None), "log_callables": [callable(kwargs.get(k)) for k in ("log_extra", "log_metric")],
+                   "not_lists": sorted(k for k, v in kwargs.items() if k not in ("trainer_state", "log_extra", "log_metric") and type(v) is not list),
+                   **{k: v for k, v in kwargs.items() if k not in ("trainer_state", "log_extra", "log_metric")}}
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\\n")
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            rewards = await fn(*args, **kwargs)
+            record(kwargs, rewards)
+            return rewards
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            rewards = fn(*args, **kwargs)
+            record(kwargs, rewards)
+            return rewards
+    return wrapper
+
+
+@recorded
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+@recorded
+def think_format_reward(completions, **kwargs):
+    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+@recorded
+def accuracy_reward(completions, solution, **kwargs):
+    contents = [completion[0]["content"] for completion in completions]
+    rewards = []
+    for content, sol in zip(contents, solution):
+        if sol == "n/a":  # the gold solution cannot be parsed: skip this example
+            rewards.append(None)
+        else:
+            rewards.append(float(sol in content.split()))
+    return rewards
+
+
+@recorded
+def longer_than_prompt(completions, prompts, **kw):
+    return [len(c[0]["content"]) / 10 - len(p[-1]["content"]) / 100 for c, p in zip(completions, prompts)]
+
+
+@recorded
+def even_length_only(completions, completion_ids, **kwargs):
+    return [None if len(ids) % 2 else float(len(ids)) for ids in completion_ids]
+
+
+@recorded
+async def async_judge(prompts, completions, log_metric=None, **kwargs):
+    await asyncio.sleep(0)
+    rewards = [float(c[0]["content"].count(" ")) for c in completions]
+    if log_metric is not None:
+        log_metric("judge/spaces", sum(rewards) / len(rewards))
+    return rewards
+'''
+FN_NAMES = ["reward_len", "think_format_reward", "accuracy_reward", "longer_than_prompt", "even_length_only", "async_judge"]
+WEIGHTS = [0.5, 1.0, 2.0, -1.0, 0.25, 0.1]
+WORDS = ["alice", "bob", "bike", "phone", "car", "lost", "bought", "the"]
+
+
+def uniform_words_model(path):
+    """A tiny Llama with the chat tokenizer that samples every token uniformly and stops with
+    probability ~0.2 per token (so completions vary in length and many end with EOS); greedy
+    decoding stops at once. Built from zeroed weights: the residual stream's dimension 0 is
+    constant, the final norm keeps only it, and the head reads it into the EOS logit alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = chat_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id, 0] = 0.9  # EOS logit ~5, every other 0
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory):
+    """grpo.py, ppo.py, dpo.py --online and eval.py (greedy and pass@k, a reference column) run in
+    this process with TRL's six reward functions on a conversational dataset with a `solution`
+    column; returns the output folders, each run's recorded reward-function calls, the tokenizer."""
+    import json
+
+    root = tmp_path_factory.mktemp("trl_rewards")
+    tok = uniform_words_model(root / "policy")
+    rewards = root / "trl_rewards.py"
+    rewards.write_text(TRL_REWARDS)
+    rows = [{"prompt": [{"role": "user", "content": f"say {w} {i}"}],
+             "solution": w if i % 3 else "n/a", "reference": f"{w} {w}"} for i, w in enumerate(WORDS * 2)]
+    with open(root / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    spec = ",".join(f"{rewards}:{n}" for n in FN_NAMES)
+    base = ["--model", str(root / "policy"), "--dataset", str(root / "prompts.jsonl"), "--reward_fn", spec,
+            "--reward_weights", ",".join(map(str, WEIGHTS)), "--max_steps", "2", "--optim", "adamw",
+            "--log_completions", "--logging_steps", "1", "--max_prompt_length", "64"]
+    argvs = {
+        "grpo": [*base, "--batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "1",
+                 "--max_completion_length", "8", "--temperature", "1.0"],
+        "ppo": [*base, "--batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+                "--max_completion_length", "8", "--temperature", "1.0"],
+        "dpo": [*base, "--online", "--batch_size", "4", "--max_new_tokens", "8", "--temperature", "1.0"],
+        # the accuracy reward alone as the verifier (weight 1; None -> left out of the sum)
+        "eval": [str(root / "policy"), "--dataset", str(root / "prompts.jsonl"), "--dataset_split", "train",
+                 "--reward_fn", spec, "--reward_weights", "0,0,1,0,0,0", "--num_samples", "2", "--temperature", "1.0",
+                 "--max_completion_length", "8", "--num_bootstrap", "20", "--eval_batch_size", "8"],
+    }
+    out, calls = {}, {}
+    for name, module in (("grpo", grpo), ("ppo", ppo), ("dpo", dpo), ("eval", ev)):
+        out[name], log = root / name, root / f"{name}_calls.jsonl"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("REWARD_CALLS", str(log))
+            mp.setenv("TQDM_DISABLE", "1")
+            mp.setattr(sys, "argv", [f"{name}.py", *argvs[name], "--output_dir", str(out[name])])
+            module.main()
+        with open(log) as f:
+            calls[name] = [json.loads(line) for line in f]
+    return out, calls, tok
+
+
+def batches(calls):
+    """The recorded calls as batches: one call of every function on the same completions."""
+    out = []
+    for i in range(0, len(calls), len(FN_NAMES)):
+        group = {c["fn"]: c for c in calls[i:i + len(FN_NAMES)]}
+        assert sorted(group) == sorted(FN_NAMES), [c["fn"] for c in calls[i:i + len(FN_NAMES)]]
+        first = group[FN_NAMES[0]]
+        for c in group.values():  # every function of a batch saw the same rows
+            assert (c["prompts"], c["completions"], c["completion_ids"], c["solution"]) == \
+                (first["prompts"], first["completions"], first["completion_ids"], first["solution"])
+        out.append(group)
+    return out
+
+
+def nan_weighted_sum(group):
+    """Our own transcription of TRL's sum: sum_k w_k r_k over the functions that did not return
+    None; None when every function did."""
+    per = [[group[n]["rewards"][i] for n in FN_NAMES] for i in range(len(group[FN_NAMES[0]]["rewards"]))]
+    return [None if all(r is None for r in row) else sum(w * r for w, r in zip(WEIGHTS, row) if r is not None)
+            for row in per]
+
+
+def test_trl_reward_functions_run_unchanged_in_every_script(trl_runs):
+    import json
+
+    out, calls, tok = trl_runs
+    for script in ("grpo", "ppo", "dpo", "eval"):
+        for group in batches(calls[script]):
+            for name, c in group.items():
+                assert c["not_lists"] == [], (script, name)  # prompts, completions, completion_ids, columns: lists
+                assert c["log_callables"] == [True, True] and c["global_step"] is not None and c["max_steps"] is not None
+                for p, comp, ids, sol in zip(c["prompts"], c["completions"], c["completion_ids"], c["solution"]):
+                    assert isinstance(p, list) and comp[0]["role"] == "assistant"  # TRL's conversational form
+                    word = p[-1]["content"].split()[1]  # the solution column is aligned with its prompt
+                    assert sol in (word, "n/a")
+                    if script == "eval" and ids == tok(comp[0]["content"], add_special_tokens=False)["input_ids"]:
+                        continue  # the reference: its text in the policy's tokenizer
+                    assert all(isinstance(t, int) for t in ids)  # the completion's token ids, EOS included
+                    text_ids = ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids
+                    assert tok.decode(text_ids, skip_special_tokens=True) == comp[0]["content"]
+    # grpo.py: the logged per-function rewards and their sum are those the functions returned,
+    # None (null) where a function did not apply; the async judge's log_metric is in metrics.jsonl
+    last = batches(calls["grpo"])[-1]
+    logged = [json.loads(line) for line in open(out["grpo"] / "completions.jsonl")][-8:]
+    assert [r["completion"] for r in logged] == [c[0]["content"] for c in last["reward_len"]["completions"]]
+    for name in FN_NAMES:
+        assert [r[name] for r in logged] == pytest.approx(last[name]["rewards"], abs=1e-5)
+    assert [r["reward"] for r in logged] == pytest.approx(nan_weighted_sum(last), abs=1e-4)
+    assert any(r is None for r in last["even_length_only"]["rewards"]) and any(r is None for r in last["accuracy_reward"]["rewards"])
+    metrics = [json.loads(line) for line in open(out["grpo"] / "metrics.jsonl")]
+    assert "judge/spaces" in metrics[0] and [c["global_step"] for c in calls["grpo"][::6]] == [0, 1]
+    # dpo.py --online: the judge's scores are the weighted sums (two samples per prompt)
+    last = batches(calls["dpo"])[-1]
+    logged = [json.loads(line) for line in open(out["dpo"] / "completions.jsonl")][-8:]
+    assert [r["score"] for r in logged] == pytest.approx(nan_weighted_sum(last), abs=1e-4)
+    # ppo.py: the score of each completion that ends with EOS (the others get -missing_eos_penalty)
+    last = batches(calls["ppo"])[-1]
+    ended = [ids[-1] == tok.eos_token_id for ids in last["reward_len"]["completion_ids"]]
+    logged = [json.loads(line) for line in open(out["ppo"] / "completions.jsonl")][-len(ended):]
+    assert [r["completion"] for r in logged] == [c[0]["content"] for c in last["reward_len"]["completions"]] and any(ended)
+    for r, s, e in zip(logged, nan_weighted_sum(last), ended):
+        assert r["score"] == pytest.approx(s if e else -1.0, abs=1e-4)
+    # eval.py: greedy (the policy and the reference) and pass@k (2 samples a prompt), the same functions
+    greedy, reference, sampled = batches(calls["eval"])
+    assert len(sampled["reward_len"]["completions"]) == 2 * len(greedy["reward_len"]["completions"]) == 32
+    judged = [json.loads(line) for line in open(out["eval"] / "judgments.jsonl")]  # the policy (a) vs the reference (b)
+    assert [j["score_a"] for j in judged] == [r or 0.0 for r in greedy["accuracy_reward"]["rewards"]]  # weights 0,0,1,0,0,0
+    assert [j["score_b"] for j in judged] == [r or 0.0 for r in reference["accuracy_reward"]["rewards"]]
+    assert [c[0]["content"] for c in reference["reward_len"]["completions"]] == [f"{w} {w}" for w in WORDS * 2]
+    results = json.loads(open(out["eval"] / "results.json").read())
+    correct = [r or 0.0 for r in sampled["accuracy_reward"]["rewards"]]
+    assert results["policies"]["policy"]["pass_at_k"]["pass@1"]["value"] == pytest.approx(sum(correct) / 32)
