@@ -4,12 +4,13 @@ holding it after a conversational prompt), a reward model reward.py's rendering 
 reward function and one reward model give identical scores through grpo.py, ppo.py,
 dpo.py --online and eval.py."""
 
+import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import chat_tokenizer
+from conftest import ROOT, chat_tokenizer
 
 import common
 import data
@@ -316,3 +317,136 @@ def test_trl_reward_functions_run_unchanged_in_every_script(trl_runs):
     results = json.loads(open(out["eval"] / "results.json").read())
     correct = [r or 0.0 for r in sampled["accuracy_reward"]["rewards"]]
     assert results["policies"]["policy"]["pass_at_k"]["pass@1"]["value"] == pytest.approx(sum(correct) / 32)
+
+
+# ============================================================================ against TRL's own _calculate_rewards
+# Run in the bench virtualenv (TRL 1.16): GRPOTrainer._calculate_rewards on a stand-in trainer
+# carrying just what the method reads (its reward functions and names, a TrainerState, the
+# log_extra / log_metric methods, an event loop for async functions), then TRL's weighted sum
+# (nansum; NaN where no function applied), as _generate_and_score_completions computes it.
+TRL_SIDE = r'''
+import importlib.util, json, sys, types
+from collections import defaultdict
+import torch
+from accelerate import PartialState
+from transformers import TrainerState
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.utils import start_event_loop_in_daemon
+
+job = json.load(open(sys.argv[1]))
+PartialState(cpu=True)  # accelerate's gather: one process
+_, loop, ready = start_event_loop_in_daemon()
+ready.wait()
+out = []
+for b in job["batches"]:
+    spec = importlib.util.spec_from_file_location("rewards", b["reward_file"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fns = [getattr(module, n) for n in b["fn_names"]]
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        args=types.SimpleNamespace(report_to=[]), reward_funcs=fns, reward_processing_classes=[None] * len(fns),
+        reward_func_names=b["fn_names"], state=TrainerState(global_step=b["global_step"], max_steps=b["max_steps"]),
+        environments=None, async_loop=loop, _pending_extra_logs=defaultdict(list), _pending_metrics=defaultdict(list))
+    trainer._log_completion_extra = GRPOTrainer._log_completion_extra.__get__(trainer)
+    trainer._log_metric = GRPOTrainer._log_metric.__get__(trainer)
+    inputs = [{"prompt": p, **{k: v[i] for k, v in b["columns"].items()}} for i, p in enumerate(b["prompts"])]
+    per_func = GRPOTrainer._calculate_rewards(trainer, inputs, b["prompts"], b["completions"], b["completion_ids"])
+    weights = torch.tensor(b["weights"])
+    reward = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    reward[torch.isnan(per_func).all(dim=1)] = torch.nan
+    nan_to_none = lambda t: [None if x != x else x for x in t.tolist()]
+    out.append({"per_func": [nan_to_none(row) for row in per_func], "reward": nan_to_none(reward),
+                "metrics": dict(trainer._pending_metrics)})
+json.dump(out, open(sys.argv[2], "w"))
+'''
+
+# text prompts: TRL's quick-start length reward, its docs' \boxed{} example with a `solution`-like
+# `ground_truth` column, and a function written (completions, prompts, **kw) that must not get
+# its arguments swapped
+TEXT_REWARDS = r'''
+import re
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def reward_func(completions, ground_truth, **kwargs):
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def longer_than_prompt(completions, prompts, **kw):
+    return [float(len(c) > len(p)) for c, p in zip(completions, prompts)]
+'''
+
+
+def trl_python():
+    path = os.path.join(ROOT, ".venv-bench", "bin", "python")
+    if not os.path.exists(path):
+        pytest.skip("TRL's virtualenv .venv-bench is absent (make it as bench/trl_quality.py says: "
+                    "python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt)")
+    return path
+
+
+def test_rewards_equal_trls_calculate_rewards(trl_runs, tmp_path):
+    import json
+    import subprocess
+
+    python = trl_python()
+    out, calls, tok = trl_runs
+    text_file = tmp_path / "text_rewards.py"
+    text_file.write_text(TEXT_REWARDS)
+    text_fns = ["reward_len", "reward_func", "longer_than_prompt"]
+    text_batch = {"reward_file": str(text_file), "fn_names": text_fns, "weights": [1.0, 2.0, 0.5],
+                  "prompts": ["Q: 2+2? A:", "Q: the sum of 40 and 2? A:"], "completions": [" \\boxed{4} and a long tail", " \\boxed{41}"],
+                  "completion_ids": [[5, 6, 7], [8, 9]], "columns": {"ground_truth": ["4", "42"]}, "global_step": 3, "max_steps": 10}
+    # every batch the four scripts scored, on the inputs the functions received there
+    recorded = []
+    for script in ("grpo", "ppo", "dpo", "eval"):
+        for group in batches(calls[script]):
+            first = group[FN_NAMES[0]]
+            recorded.append({"reward_file": str(out["grpo"].parent / "trl_rewards.py"), "fn_names": FN_NAMES, "weights": WEIGHTS,
+                             "prompts": first["prompts"], "completions": first["completions"],
+                             "completion_ids": first["completion_ids"],
+                             "columns": {k: first[k] for k in ("solution", "reference")}, "global_step": first["global_step"],
+                             "max_steps": first["max_steps"], "group": group, "script": script})
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"batches": [text_batch] + [{k: v for k, v in b.items() if k not in ("group", "script")}
+                                                          for b in recorded]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("REWARD_CALLS", None)
+    proc = subprocess.run([python, "-c", TRL_SIDE, str(job), str(tmp_path / "trl.json")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trl = json.load(open(tmp_path / "trl.json"))
+
+    # the text batch: ours in this process on identical inputs; TRL's order of arguments, no swap
+    fns = [common.load_reward_fn(f"{text_file}:{n}") for n in text_fns]
+    ours = common.call_reward_fns(fns, text_batch["prompts"], text_batch["completions"], text_batch["completion_ids"],
+                                  text_batch["columns"], step=3, max_steps=10)
+    assert ours.tolist() == trl[0]["per_func"]
+    assert [row[1:] for row in trl[0]["per_func"]] == [[1.0, 1.0], [0.0, 0.0]]  # swapped arguments would give 0, 1
+    assert common.weighted_rewards(ours, torch.tensor(text_batch["weights"])).tolist() == pytest.approx(trl[0]["reward"])
+
+    # the recorded batches: the per-function matrix (None -> NaN) and the weighted sum TRL gives equal
+    # (a) what the functions returned in the scripts, (b) our contract on the same inputs, (c) the sums
+    # the scripts logged (checked against the records in the test above)
+    for b, t in zip(recorded, trl[1:]):
+        group = b["group"]
+        assert [[group[n]["rewards"][i] for n in FN_NAMES] for i in range(len(b["prompts"]))] == \
+            [[None if r is None else pytest.approx(r, abs=1e-5) for r in row] for row in t["per_func"]], b["script"]
+        fns = [common.load_reward_fn(f"{b['reward_file']}:{n}") for n in FN_NAMES]
+        ours = common.call_reward_fns(fns, b["prompts"], b["completions"], b["completion_ids"], b["columns"],
+                                      step=b["global_step"], max_steps=b["max_steps"])
+        torch.testing.assert_close(ours, torch.tensor([[float("nan") if r is None else r for r in row] for row in t["per_func"]]),
+                                   equal_nan=True)
+        reward = common.weighted_rewards(ours, torch.tensor(WEIGHTS))
+        assert [None if r != r else r for r in reward.tolist()] == pytest.approx(t["reward"], abs=1e-5)
+        assert nan_weighted_sum(group) == pytest.approx(t["reward"], abs=1e-4)
+        assert t["metrics"]["judge/spaces"] == pytest.approx([sum(group["async_judge"]["rewards"]) / len(b["prompts"])])
+    grpo_logged = [json.loads(line) for line in open(out["grpo"] / "completions.jsonl")][-8:]
+    grpo_last = [t for b, t in zip(recorded, trl[1:]) if b["script"] == "grpo"][-1]
+    assert [r["reward"] for r in grpo_logged] == pytest.approx(grpo_last["reward"], abs=1e-4)
