@@ -221,10 +221,11 @@ def trl_runs(tmp_path_factory):
     base = ["--model", str(root / "policy"), "--dataset", str(root / "prompts.jsonl"), "--reward_fn", spec,
             "--reward_weights", ",".join(map(str, WEIGHTS)), "--max_steps", "2", "--optim", "adamw",
             "--log_completions", "--logging_steps", "1", "--max_prompt_length", "64"]
+    held_out = ["--eval_dataset", str(root / "prompts.jsonl")]  # greedy completions, scored with the same functions
     argvs = {
-        "grpo": [*base, "--batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "1",
+        "grpo": [*base, *held_out, "--batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "1",
                  "--max_completion_length", "8", "--temperature", "1.0"],
-        "ppo": [*base, "--batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+        "ppo": [*base, *held_out, "--batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
                 "--max_completion_length", "8", "--temperature", "1.0"],
         "dpo": [*base, "--online", "--batch_size", "4", "--max_new_tokens", "8", "--temperature", "1.0"],
         # the accuracy reward alone as the verifier (weight 1; None -> left out of the sum)
@@ -287,7 +288,8 @@ def test_trl_reward_functions_run_unchanged_in_every_script(trl_runs):
                     assert tok.decode(text_ids, skip_special_tokens=True) == comp[0]["content"]
     # grpo.py: the logged per-function rewards and their sum are those the functions returned,
     # None (null) where a function did not apply; the async judge's log_metric is in metrics.jsonl
-    last = batches(calls["grpo"])[-1]
+    *_, last, held_out = batches(calls["grpo"])  # the last step's rollout, then --eval_dataset
+    assert len(held_out["reward_len"]["prompts"]) == 16
     logged = [json.loads(line) for line in open(out["grpo"] / "completions.jsonl")][-8:]
     assert [r["completion"] for r in logged] == [c[0]["content"] for c in last["reward_len"]["completions"]]
     for name in FN_NAMES:
@@ -295,13 +297,14 @@ def test_trl_reward_functions_run_unchanged_in_every_script(trl_runs):
     assert [r["reward"] for r in logged] == pytest.approx(nan_weighted_sum(last), abs=1e-4)
     assert any(r is None for r in last["even_length_only"]["rewards"]) and any(r is None for r in last["accuracy_reward"]["rewards"])
     metrics = [json.loads(line) for line in open(out["grpo"] / "metrics.jsonl")]
-    assert "judge/spaces" in metrics[0] and [c["global_step"] for c in calls["grpo"][::6]] == [0, 1]
+    assert "judge/spaces" in metrics[0] and [c["global_step"] for c in calls["grpo"][::6]] == [0, 1, 2]
     # dpo.py --online: the judge's scores are the weighted sums (two samples per prompt)
     last = batches(calls["dpo"])[-1]
     logged = [json.loads(line) for line in open(out["dpo"] / "completions.jsonl")][-8:]
     assert [r["score"] for r in logged] == pytest.approx(nan_weighted_sum(last), abs=1e-4)
     # ppo.py: the score of each completion that ends with EOS (the others get -missing_eos_penalty)
-    last = batches(calls["ppo"])[-1]
+    *_, last, held_out = batches(calls["ppo"])  # the last step's rollout, then --eval_dataset
+    assert len(held_out["reward_len"]["prompts"]) == 16
     ended = [ids[-1] == tok.eos_token_id for ids in last["reward_len"]["completion_ids"]]
     logged = [json.loads(line) for line in open(out["ppo"] / "completions.jsonl")][-len(ended):]
     assert [r["completion"] for r in logged] == [c[0]["content"] for c in last["reward_len"]["completions"]] and any(ended)
@@ -448,5 +451,73 @@ def test_rewards_equal_trls_calculate_rewards(trl_runs, tmp_path):
         assert nan_weighted_sum(group) == pytest.approx(t["reward"], abs=1e-4)
         assert t["metrics"]["judge/spaces"] == pytest.approx([sum(group["async_judge"]["rewards"]) / len(b["prompts"])])
     grpo_logged = [json.loads(line) for line in open(out["grpo"] / "completions.jsonl")][-8:]
-    grpo_last = [t for b, t in zip(recorded, trl[1:]) if b["script"] == "grpo"][-1]
+    grpo_last = [t for b, t in zip(recorded, trl[1:]) if b["script"] == "grpo"][-2]  # the last rollout
     assert [r["reward"] for r in grpo_logged] == pytest.approx(grpo_last["reward"], abs=1e-4)
+
+
+# ============================================================================ None, async, and where a bad reward is
+def _stops(fn, *args, **kwargs):
+    with pytest.raises(SystemExit) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+def test_no_applicable_reward_grpo_leaves_it_out_others_stop(trl_runs, monkeypatch, capsys):
+    from conftest import main_error
+
+    # grpo.py (as TRL): reward NaN, left out of its group's mean and std, advantage 0
+    def some(completions, **kwargs):
+        return [None, 1.0, 3.0, None]
+
+    scores = common.call_reward_fns([some], ["p"] * 4, list("abcd"), group_size=4, every_row=False)
+    reward = common.weighted_rewards(scores, torch.tensor([2.0]))
+    assert reward.isnan().tolist() == [True, False, False, True] and reward[1:3].tolist() == [2.0, 6.0]
+    std = (2 * 2 ** 2 / 1) ** 0.5  # of 2 and 6 (unbiased)
+    assert grpo.group_advantages(reward, 4, "group").tolist() == pytest.approx([0, -2 / (std + grpo.ADV_EPS), 2 / (std + grpo.ADV_EPS), 0])
+    # elsewhere: one sentence naming the function(s), which completion of which prompt, and what to do
+    msg = _stops(common.call_reward_fns, [some, some], ["p0", "p0", "p1", "p1"], list("abcd"), group_size=2)
+    assert "every reward function (some, some) returned None for completion 0 of prompt 0" in msg and "'a'" in msg
+    out, _, _ = trl_runs
+    none_file = out["grpo"].parent / "none.py"
+    none_file.write_text("def never(completions, **kwargs):\n    return [None] * len(completions)\n")
+    msg = main_error(ppo, ["--model", str(out["grpo"].parent / "policy"), "--dataset", str(out["grpo"].parent / "prompts.jsonl"),
+                           "--reward_fn", f"{none_file}:never", "--max_steps", "1", "--batch_size", "2",
+                           "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--optim", "adamw",
+                           "--output_dir", str(out["grpo"].parent / "ppo_none")], monkeypatch, capsys)
+    assert "every reward function (never) returned None for prompt 0" in msg and "ppo.py needs a reward for every completion" in msg
+
+
+def test_a_bad_reward_names_the_completion_and_its_prompt():
+    # rows in groups of G completions of one prompt: row 1 is completion 1 of prompt 0 (not "prompt 1")
+    msg = _stops(common.call_reward_fns, [lambda completions, **kw: [1.0, float("nan"), 0.0, 0.0]], ["p0", "p0", "p1", "p1"],
+                 ["a", "b", "c", "d"], group_size=2)
+    assert "returned nan for completion 1 of prompt 0: 'p0'" in msg
+
+    def raises_on_c(completions, **kw):
+        return [1 / (c != "c") for c in completions]
+
+    msg = _stops(common.call_reward_fns, [raises_on_c], ["p0", "p0", "p1", "p1"], ["a", "b", "c", "d"], group_size=2)
+    assert "raises_on_c raised ZeroDivisionError" in msg and "completion 0 of prompt 1: 'p1'" in msg and "completion: 'c'" in msg
+    # a dataset column with the name of one of TRL's keywords cannot reach the function
+    msg = _stops(common.call_reward_fns, [lambda completions, **kw: [1.0]], ["p"], ["a"], None, {"completions": ["x"]})
+    assert "column 'completions'" in msg and "rename" in msg
+
+
+def test_async_reward_functions_are_awaited_together():
+    import asyncio
+
+    go = {}
+
+    async def waits(completions, **kwargs):  # finishes only once `sets` has run: they must run concurrently
+        await asyncio.wait_for(go.setdefault("event", asyncio.Event()).wait(), 2)
+        return [1.0] * len(completions)
+
+    async def sets(completions, **kwargs):
+        go.setdefault("event", asyncio.Event()).set()
+        return [None] * len(completions)
+
+    def plain(completions, **kwargs):
+        return [3.0] * len(completions)
+
+    scores = common.call_reward_fns([waits, plain, sets], ["p", "q"], ["a", "b"])
+    assert scores[:, :2].tolist() == [[1.0, 3.0], [1.0, 3.0]] and scores[:, 2].isnan().all()
