@@ -636,6 +636,8 @@ def call_reward_fns(fns, prompts, completions, completion_ids=None, columns=None
     Rows come in groups of `group_size` completions of one prompt (errors name both). `logs`
     collects log_metric (name -> values) and log_extra (column -> values); `every_row`: stop when
     every function returned None for a completion (grpo.py passes False: TRL leaves it out)."""
+    if not fns:  # grpo.py with reward models only
+        return torch.zeros(len(prompts), 0)
     columns = {k: list(v) for k, v in (columns or {}).items()}  # a `datasets` Column is not a list
     clash = [k for k in columns if k in REWARD_KWARGS]
     if clash:
