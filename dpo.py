@@ -83,7 +83,8 @@ class Args(SamplingArgs):
     precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
     online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
-    reward_fn: str = field(default="", metadata={"help": "Online judge: file.py:function with TRL's signature fn(prompts, completions, **columns) -> floats, or 'gold'."})
+    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions, file.py:function (or 'gold'), called by keyword as TRL calls them (README)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the judge's score is the weighted sum over the functions that do not return None."})
     # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
     learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate (TRL's; embedded world: 1e-5 offline, 3e-4 online)."})
@@ -176,11 +177,13 @@ def precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args):
 
 # ------------------------------------------------------------------------ online: sample and judge
 def make_judge(args, world_data):
-    """The online judge: fn(prompts, completions, columns) -> (N,) scores of the completion texts."""
+    """The online judge: fn(prompts, completions, completion_ids, columns, step) -> (N,) scores of the
+    completion texts, rows in pairs (the two samples of a prompt). A reward function is called as
+    TRL calls it (common.call_reward_fns); a None reward stops the run (a pair needs two scores)."""
     if args.reward_model:
         rm, rm_tokenizer = common.load_reward_model(args.reward_model, args)
 
-        def judge(prompts, completions, columns):
+        def judge(prompts, completions, completion_ids, columns, step=0):
             return sampling.score_texts(rm, rm_tokenizer, prompts, completions, args.eval_batch_size,
                                         args.max_prompt_length)
 
@@ -188,10 +191,11 @@ def make_judge(args, world_data):
     if not args.reward_fn and not world_data:
         common.fail("--online on your own --dataset needs a judge: pass --reward_model PATH (from reward.py) "
                     "or --reward_fn file.py:function.")
-    fn = common.load_reward_fn(args.reward_fn or "gold")
+    fns, weights = common.load_reward_fns(args.reward_fn or "gold", args.reward_weights)
 
-    def judge(prompts, completions, columns):
-        return common.call_reward_fn(fn, prompts, completions, columns)
+    def judge(prompts, completions, completion_ids, columns, step=0):
+        scores = common.call_reward_fns(fns, prompts, completions, completion_ids, columns, 2, step, args.max_steps)
+        return common.weighted_rewards(scores, weights)
 
     return judge, None
 
@@ -214,7 +218,8 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
-    scores = judge(prompts2, completions, columns2).view(-1, 2).t()  # (2, B): first and second samples
+    scores = judge(prompts2, completions, sampling.completion_id_lists(completion_ids, completion_mask), columns2,
+                   position[0]).view(-1, 2).t()  # (2, B): first and second samples
     common.check_finite("the judge's score", scores, position[0] + 1)  # a NaN would order the pair at random
     # label: the higher-scoring sample is chosen; equal scores carry no preference and are skipped
     keep = scores[0] != scores[1]  # (B,)

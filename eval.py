@@ -36,8 +36,9 @@ With one run per method the two are equal and every number is what a prompt-only
 Judges (--judge):
 - `gold`: a reward function, higher wins: by default the embedded world's gold judge (which
   needs the `post` column, as in the embedded test split), or --reward_fn arith_strict /
-  arith_lenient (the arithmetic world's verifiers) or file.py:fn; reports name the judge
-  after the function;
+  arith_lenient (the arithmetic world's verifiers) or file.py:fn, called as TRL calls reward
+  functions (common.call_reward_fns), greedy and pass@k alike; several (comma-separated) are
+  summed with --reward_weights, as in grpo.py. Reports name the judge after the function(s);
 - `rm:PATH`: a reward model saved by reward.py, higher wins;
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
@@ -120,7 +121,8 @@ class Args(ModelArgs):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (with --do_sample; 0: off)."})
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders)."})
-    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called as fn(prompts, completions, **columns)."})
+    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called by keyword as TRL calls them (README)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1); the judge's score is the weighted sum over the functions that do not return None, as in grpo.py."})
     num_samples: int = field(default=0, metadata={"help": "n: completions sampled per prompt at --temperature for pass@k, with a verifier as the judge (0: off)."})
     pass_k: str = field(default="", metadata={"help": "Comma-separated k for pass@k, each at most --num_samples (default: 1, 2, 4, ... up to --num_samples)."})
     group_by: str = field(default="", metadata={"help": "A dataset column: also report the score per value of it (e.g. level, carry_trap on embedded:arith)."})
@@ -505,19 +507,20 @@ def generate_responses(path, name, raw_prompts, args):
     if os.path.exists(cached):
         with open(cached) as f:
             out = json.load(f)
-        print(f"eval: {name}: {len(prompts)} responses from the cache {cached}")
-        return out["responses"], out["truncated"]
+        if "completion_ids" in out:  # a cache from before completion_ids were kept is generated again
+            print(f"eval: {name}: {len(prompts)} responses from the cache {cached}")
+            return out["responses"], out["truncated"], out["completion_ids"]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
     settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    responses, truncated = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                                 args.eval_batch_size, **settings)
+    responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
+                                                                 args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
-                               "truncated": truncated})
+                               "truncated": truncated, "completion_ids": completion_ids})
     print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
-    return responses, truncated
+    return responses, truncated, completion_ids
 
 
 def pass_ks(args):
@@ -534,10 +537,13 @@ def pass_ks(args):
 
 
 def judge_name(kind, args):
-    """The judge as reports name it: a reward function by its own name, else the --judge spec."""
+    """The judge as reports name it: the reward functions by their own names, else the --judge spec."""
     if kind != "gold":
         return args.judge
-    return "gold" if args.reward_fn == "gold" else getattr(common.load_reward_fn(args.reward_fn), "__name__", args.reward_fn)
+    if args.reward_fn == "gold":
+        return "gold"
+    fns, _ = common.load_reward_fns(args.reward_fn, args.reward_weights)
+    return ",".join(getattr(fn, "__name__", str(fn)) for fn in fns)
 
 
 def parse_judge(spec):
@@ -550,14 +556,18 @@ def parse_judge(spec):
     common.fail(f"--judge {spec!r}: expected gold, rm:PATH (a reward model from reward.py) or llm:MODEL (a causal LM).")
 
 
-def judge_scores(kind, arg, responses, raw_prompts, columns, args):
+def judge_scores(kind, arg, responses, raw_prompts, columns, args, completion_ids=None, group_size=1):
     """Score-based judges: {name: (n,) scores} for every policy and the references. Both get what
-    they get in training (sampling.reward_completions): a reward function TRL's form of the text,
-    a reward model reward.py's rendering of it through its own chat template."""
+    they get in training (sampling.reward_completions): reward functions TRL's form of the text
+    and TRL's keywords (their weighted sum over those that do not return None; a completion none
+    applies to stops the run), a reward model reward.py's rendering of it through its own chat
+    template. `completion_ids`: {name: token id lists}; rows in groups of `group_size` (pass@k)."""
     completions = {name: sampling.reward_completions(raw_prompts, texts) for name, texts in responses.items()}
     if kind == "gold":
-        fn = common.load_reward_fn(args.reward_fn)
-        return {name: common.call_reward_fn(fn, raw_prompts, c, columns).double().numpy()
+        fns, weights = common.load_reward_fns(args.reward_fn, args.reward_weights)
+        ids = completion_ids or {}
+        return {name: common.weighted_rewards(common.call_reward_fns(fns, raw_prompts, c, ids.get(name), columns, group_size),
+                                              weights).double().numpy()
                 for name, c in completions.items()}
     model, tokenizer = common.load_reward_model(arg, args)
     return {name: sampling.score_texts(model, tokenizer, raw_prompts, c, args.eval_batch_size).double().numpy()
@@ -585,7 +595,7 @@ def main():
     if args.num_samples and kind != "gold":
         common.fail("--num_samples (pass@k) needs a verifier as the judge: --judge gold --reward_fn arith_strict (or file.py:fn returning 0 or 1).")
     if kind == "gold" and args.reward_fn != "gold":
-        common.load_reward_fn(args.reward_fn)  # fail now, not after generating
+        common.load_reward_fns(args.reward_fn, args.reward_weights)  # fail now, not after generating
     paths = [p for _, run_paths in methods for p in run_paths]
     for path in paths + ([judge_arg] if kind in ("rm", "llm") else []):  # fail now, not after generating
         common.check_model_source(path)
@@ -608,7 +618,7 @@ def main():
         ds = ds.select(range(min(args.num_prompts, len(ds))))
     data.check_text(ds, [args.prompt_column], args.dataset)
     raw_prompts = ds[args.prompt_column]
-    columns = {c: ds[c] for c in ds.column_names if c != args.prompt_column}
+    columns = {c: list(ds[c]) for c in ds.column_names if c != args.prompt_column}  # lists, not `datasets` Columns
     has_reference = bool(args.reference_column) and args.reference_column in ds.column_names
     if args.reference_column not in ("", "reference") and not has_reference:
         data.require_columns(ds, [args.reference_column], args.dataset, "Pass --reference_column '' to compare without references.")
@@ -629,14 +639,17 @@ def main():
     # ---- generate: the same prompts, settings and seed for every run of every method
     names = [name for name, _ in methods]
     runs = dict(zip(names, run_names(methods)))  # method -> its runs' names
-    responses, truncated = {}, {}
+    responses, truncated, completion_ids = {}, {}, {}
     for (name, paths) in methods:
         for path, run in zip(paths, runs[name]):
-            responses[run], truncated[run] = generate_responses(path, run, raw_prompts, args)
+            responses[run], truncated[run], completion_ids[run] = generate_responses(path, run, raw_prompts, args)
     if has_reference:
-        # the reference's text as the dataset writes it, as a policy's response is its decoded text
+        # the reference's text as the dataset writes it, as a policy's response is its decoded text;
+        # its completion_ids for reward functions: that text in the first policy's tokenizer
         responses[REFERENCE] = [r if isinstance(r, str) else r[-1]["content"] for r in ds[args.reference_column]]
         runs[REFERENCE] = [REFERENCE]
+        first_tokenizer = common.load_tokenizer(methods[0][1][0], args.trust_remote_code)
+        completion_ids[REFERENCE] = [first_tokenizer(t, add_special_tokens=False)["input_ids"] for t in responses[REFERENCE]]
 
     # ---- pairs: every pair of methods (the later one as a), then each method vs the references;
     # within a pair of methods, every run of a meets every run of b on every prompt
@@ -647,7 +660,7 @@ def main():
     # ---- judge: per-prompt outcome of run a against run b (1 win, 0.5 tie, 0 loss)
     scores, outcomes, extra = None, {}, {}
     if kind in ("gold", "rm"):
-        scores = judge_scores(kind, judge_arg, responses, raw_prompts, columns, args)
+        scores = judge_scores(kind, judge_arg, responses, raw_prompts, columns, args, completion_ids)
         for a, b in run_pairs:
             outcomes[a, b] = outcomes_from_scores(scores[a], scores[b])
             extra[a, b] = [{"score_a": float(x), "score_b": float(y)} for x, y in zip(scores[a], scores[b])]
@@ -677,14 +690,15 @@ def main():
         if not verifier:
             common.fail(f"--num_samples (pass@k) needs a verifier: --reward_fn {args.reward_fn} gave scores other than 0 "
                         "and 1; pass a reward function that returns 1 for a correct completion and 0 otherwise.")
-        fn = common.load_reward_fn(args.reward_fn)
         repeat = [i for i in range(n) for _ in range(args.num_samples)]  # prompt i's samples are rows i*n_s..
         sample_prompts = [raw_prompts[i] for i in repeat]
         sample_columns = {c: [v[i] for i in repeat] for c, v in columns.items()}
         for name, paths in methods:
             for path, run in zip(paths, runs[name]):
-                texts, _ = generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
-                sample_scores = common.call_reward_fn(fn, sample_prompts, texts, sample_columns).double().numpy()
+                texts, _, ids = generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
+                # scored as the greedy responses are: TRL's form (an assistant message after a conversation)
+                sample_scores = judge_scores(kind, None, {run: texts}, sample_prompts, sample_columns, args, {run: ids},
+                                             args.num_samples)[run]
                 if not is_binary(sample_scores):
                     common.fail(f"--reward_fn {args.reward_fn} gave a sampled completion a score other than 0 or 1; "
                                 "pass@k needs a verifier.")
@@ -736,7 +750,7 @@ def main():
 
     results = {
         "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
-                     "reward_fn": args.reward_fn, "dataset": data.dataset_name(args.dataset),
+                     "reward_fn": args.reward_fn, "reward_weights": args.reward_weights, "dataset": data.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
                      **generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,

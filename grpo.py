@@ -34,8 +34,11 @@ Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normal
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
 default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
 a reward model saved by reward.py (`--reward_model runs/reward`), a user function
-`--reward_fn rewards.py:fn` called as fn(prompts, completions, **other_columns) -> list[float]
-(TRL's signature), or a weighted sum of several (`--reward_weights`).
+`--reward_fn rewards.py:fn` called as TRL calls it (by keyword: prompts, completions,
+completion_ids, the other columns, trainer_state, log_extra, log_metric; common.call_reward_fns),
+or a weighted sum of several (`--reward_weights`). As in TRL, a function may return None for a
+completion it does not apply to: the sum leaves it out, and a completion no function applies to
+gets reward NaN, is left out of its group's mean and std, and gets advantage 0.
 
 Departures from the paper and from TRL:
 - `--loss_type grpo` (the default) is DeepSeekMath's per-sequence token mean; `dr_grpo` and
@@ -96,7 +99,7 @@ class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier) or file.py:function, called as fn(prompts, completions, **other_columns). Default: gold when no --reward_model is given."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     # generation
@@ -122,24 +125,34 @@ class Args(SamplingArgs):
 
 
 # ============================================================================ advantages
+def nanstd(x, dim=None, keepdim=False):
+    """torch.std (unbiased) of the values that are not NaN (TRL's nanstd): the rewards of
+    completions no reward function applied to are left out."""
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    count = (~x.isnan()).sum(dims, keepdim=True)
+    var = ((x - x.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=True) / (count - 1)
+    return var.sqrt() if keepdim else var.sqrt().squeeze(dims)
+
+
 def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
     """A_i = (r_i - mean_group) / (std + eps) for rewards laid out in groups of G consecutive
     completions: (N,) -> (N,). A group whose rewards are all equal gets A = 0 (no gradient).
-    `batch_std`: the reward std of the whole batch (default: of these rewards)."""
+    `batch_std`: the reward std of the whole batch (default: of these rewards). A NaN reward (no
+    reward function applied) is left out of the mean and std, and its advantage is 0 (TRL)."""
     grouped = rewards.view(-1, num_generations)  # (B, G)
-    advantages = grouped - grouped.mean(1, keepdim=True)
+    advantages = grouped - grouped.nanmean(1, keepdim=True)
     if scale_rewards == "group":  # DeepSeekMath: each group's own std (unbiased, as torch.std)
-        advantages = advantages / (grouped.std(1, keepdim=True) + ADV_EPS)
+        advantages = advantages / (nanstd(grouped, 1, keepdim=True) + ADV_EPS)
     elif scale_rewards == "batch":  # one std for the whole batch: keeps easy groups' small gaps small
-        advantages = advantages / ((rewards.std() if batch_std is None else batch_std) + ADV_EPS)
-    return advantages.reshape(-1)  # (N,)
+        advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + ADV_EPS)
+    return advantages.reshape(-1).nan_to_num(0.0)  # (N,)
 
 
 def batch_advantages(rewards, num_generations, scale_rewards):
     """group_advantages of the micro-batches of one optimizer step (a list of (N_i,) rewards ->
     a list of (N_i,) advantages), with --scale_rewards batch dividing by the std of every reward
     of the step on every rank (TRL: the whole generation batch), not of each micro-batch."""
-    batch_std = parallel.all_gather(torch.cat(rewards)).std()
+    batch_std = nanstd(parallel.all_gather(torch.cat(rewards)))
     return [group_advantages(r, num_generations, scale_rewards, batch_std) for r in rewards]
 
 
@@ -229,7 +242,7 @@ def load_rewards(args):
     if not specs and not paths:  # no reward named: the verifier, which only knows the embedded world
         if args.dataset != common.EMBEDDED:
             common.fail(f"--dataset {args.dataset} needs a reward: pass --reward_fn file.py:function "
-                        "(fn(prompts, completions, **columns) -> list[float]), --reward_model PATH, or on "
+                        "(called by keyword as TRL calls it: fn(completions, **kwargs) -> list[float]), --reward_model PATH, or on "
                         f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient).")
         specs = ["gold"]
     rewards = []
@@ -240,46 +253,41 @@ def load_rewards(args):
         model, tokenizer = common.load_reward_model(path, args)
         rewards.append({"name": os.path.basename(path.rstrip("/")), "model": model, "tokenizer": tokenizer})
     # weights: r = sum_k w_k r_k, before the group normalisation (as TRL's reward_weights)
-    weights = [1.0] * len(rewards)
-    if args.reward_weights:
-        try:
-            weights = [float(w) for w in args.reward_weights.split(",")]
-        except ValueError:
-            common.fail(f"--reward_weights {args.reward_weights!r}: expected comma-separated numbers.")
-        if len(weights) != len(rewards):
-            common.fail(f"--reward_weights has {len(weights)} values for {len(rewards)} rewards "
-                        f"({', '.join(r['name'] for r in rewards)}).")
-    return rewards, torch.tensor(weights)
+    return rewards, common.parse_reward_weights(args.reward_weights, [r["name"] for r in rewards])
 
 
 @torch.no_grad()
-def score(rewards, prompts, texts, columns, args):
-    """Rewards of each source for N completions: (N, K). `prompts` are the dataset's prompts
-    (text or conversations), `texts` the decoded completions, `columns` the other dataset columns."""
+def score(rewards, prompts, texts, completion_ids, columns, args, group_size=1, step=0, logs=None):
+    """Rewards of each source for N completions in groups of G: (N, K), NaN where a reward
+    function returned None. `prompts` are the dataset's prompts (text or conversations), `texts`
+    the decoded completions, `completion_ids` their token ids, `columns` the other dataset columns,
+    `logs` what the functions log (log_metric, log_extra)."""
     completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
-    out = []
+    # the reward functions first, all in one call (async ones run concurrently), as load_rewards orders them
+    fns = [r["fn"] for r in rewards if "fn" in r]
+    out = [common.call_reward_fns(fns, prompts, completions, completion_ids, columns, group_size, step, args.max_steps,
+                                  logs, every_row=False)]
     for r in rewards:
-        if "fn" in r:
-            out.append(common.call_reward_fn(r["fn"], prompts, completions, columns))
-        else:  # a reward model reads the text through its own tokenizer and chat template
+        if "model" in r:  # a reward model reads the text through its own tokenizer and chat template
             scores = sampling.score_texts(r["model"], r["tokenizer"], prompts, completions, args.eval_batch_size,
                                           args.max_prompt_length)
-            out.append(scores - getattr(r["model"].config, "reward_mean", 0.0))  # reward.py's training mean
-    return torch.stack(out, 1)  # (N, K)
+            out.append((scores - getattr(r["model"].config, "reward_mean", 0.0))[:, None])  # reward.py's training mean
+    return torch.cat(out, 1)  # (N, K)
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eval_ds, rewards, weights, args):
+def evaluate(model, tokenizer, eval_ds, rewards, weights, args, step=0):
     """--eval_dataset: the mean reward (under this run's weighted rewards) of one greedy
     completion per held-out prompt, and each source's mean."""
     raw = eval_ds["prompt"]
     prompts = [data.render_prompt(tokenizer, p) for p in raw]
-    texts, _ = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length, args.eval_batch_size,
-                                     do_sample=False)
-    columns = {c: eval_ds[c] for c in eval_ds.column_names if c != "prompt"}
-    per_source = score(rewards, raw, texts, columns, args)  # (N, K)
-    return {"eval_reward": float((per_source * weights).sum(1).mean()),
-            **{f"eval_rewards/{r['name']}/mean": float(per_source[:, k].mean()) for k, r in enumerate(rewards)}}
+    texts, _, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
+                                                     args.eval_batch_size, do_sample=False)
+    columns = {c: list(eval_ds[c]) for c in eval_ds.column_names if c != "prompt"}  # lists, not `datasets` Columns
+    per_source = score(rewards, raw, texts, completion_ids, columns, args, step=step)  # (N, K)
+    # the means over the completions each reward applies to (TRL's nanmean)
+    return {"eval_reward": float(common.weighted_rewards(per_source, weights).nanmean()),
+            **{f"eval_rewards/{r['name']}/mean": float(per_source[:, k].nanmean()) for k, r in enumerate(rewards)}}
 
 
 # ============================================================================ main
@@ -388,21 +396,30 @@ def main():
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]
                 columns = {c: [v[i] for i in group] for c, v in column_values.items()}
-                rewards_per_source = score(rewards, [raw_prompts[i] for i in group], texts, columns, args)  # (N, K)
-                reward = (rewards_per_source * weights).sum(1)  # (N,)
-                common.check_finite("reward", reward, step + 1)
+                reward_logs = {"metrics": {}, "extra": {}}  # what the reward functions log_metric / log_extra
+                rewards_per_source = score(rewards, [raw_prompts[i] for i in group], texts,
+                                           sampling.completion_id_lists(completion_ids, completion_mask), columns, args,
+                                           G, step, reward_logs)  # (N, K), NaN where a function returned None
+                reward = common.weighted_rewards(rewards_per_source, weights)  # (N,): sum over the rewards that apply
+                unscorable = reward.isnan()  # no reward function applied: left out of the baseline, A = 0 (TRL)
+                if unscorable.any():
+                    i = int(unscorable.nonzero()[0])
+                    print(f"{common.script_name()}: warning: every reward function returned None for completion {i % G} of "
+                          f"prompt {i // G} ({int(unscorable.sum())} such completions this batch): advantage 0, as TRL.")
+                common.check_finite("reward", reward[~unscorable], step + 1)
 
-                group_std = reward.view(-1, G).std(1)
+                group_std = nanstd(reward.view(-1, G), 1)  # (B,)
                 lengths = completion_mask.sum(1).float()
-                rollout_metrics.append({
-                    "reward": reward.mean(), "reward_std": group_std.mean(),
+                rollout_metrics.append({  # means over the completions each reward applies to (TRL's nanmean)
+                    "reward": reward.nanmean(), "reward_std": group_std.nanmean(),
                     "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
-                    **{f"rewards/{n}/mean": rewards_per_source[:, k].mean() for k, n in enumerate(reward_names)},
-                    **{f"rewards/{n}/std": rewards_per_source[:, k].std() for k, n in enumerate(reward_names)},
+                    **{f"rewards/{n}/mean": rewards_per_source[:, k].nanmean() for k, n in enumerate(reward_names)},
+                    **{f"rewards/{n}/std": nanstd(rewards_per_source[:, k]) for k, n in enumerate(reward_names)},
+                    **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()},  # log_metric
                     "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
                 })
-                samples.append([group, texts, rewards_per_source, reward])  # the advantages join below
+                samples.append([group, texts, rewards_per_source, reward, reward_logs["extra"]])  # the advantages join below
                 if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
                     completion_mask = completion_mask * (~truncated[:, None]).long()
 
@@ -456,12 +473,12 @@ def main():
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
             if args.log_completions:
-                group, texts, per_source, reward, advantages = samples[-1]
+                group, texts, per_source, reward, extra, advantages = samples[-1]
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
                     **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
-                    "advantage": advantages})
+                    "advantage": advantages, **extra})  # extra: the reward functions' log_extra columns
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, args)
+            eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",

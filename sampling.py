@@ -346,6 +346,12 @@ def reward_completions(prompts, texts):
             for p, t in zip(prompts, texts)]
 
 
+def completion_id_lists(completion_ids, completion_mask):
+    """The token ids of each completion without padding, the stop token included (TRL's
+    `completion_ids` for reward functions): (B, C), (B, C) -> B lists."""
+    return [[t for t, k in zip(ids, m) if k] for ids, m in zip(completion_ids.tolist(), completion_mask.tolist())]
+
+
 def decode_completions(tokenizer, completion_ids, completion_mask, truncated):
     """Completion texts as `generate` returns them: without padding, without the stop token that
     ends a completion (the last real token of every row not `truncated`), otherwise exactly as
@@ -360,14 +366,16 @@ def decode_completions(tokenizer, completion_ids, completion_mask, truncated):
 
 @torch.no_grad()
 def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, **sampling):
-    """Generate for a list of rendered prompt texts; returns (texts, truncated flags)."""
-    texts, truncated = [], []
+    """Generate for a list of rendered prompt texts; returns (texts, truncated flags, the
+    completions' token ids as completion_id_lists gives them)."""
+    texts, truncated, id_lists = [], [], []
     for i in range(0, len(prompts), batch_size):
         ids, mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size])
         c, cm, tr = generate(model, tokenizer, ids.to(model.device), mask.to(model.device), max_new_tokens, **sampling)
         texts += decode_completions(tokenizer, c, cm, tr)
         truncated += tr.tolist()
-    return texts, truncated
+        id_lists += completion_id_lists(c, cm)
+    return texts, truncated, id_lists
 
 
 

@@ -138,10 +138,19 @@ def window_mean(rows):
 def log_completions(args, step, prompts, completions, rewards):
     """--log_completions: a table of the first --num_completions_to_print (prompt, completion,
     rewards) on the console; every row appended to <output_dir>/completions.jsonl. `rewards` is
-    {name: one value per completion}; prompts are the dataset's (text or messages)."""
+    {name: one value per completion} (a reward: NaN where no reward function applied, written as
+    null; or a reward function's log_extra column, as it gave it); prompts are the dataset's (text or messages)."""
     if not parallel.is_main():
         return
-    rows = [{"step": step, "prompt": p, "completion": c, **{k: float(v[i]) for k, v in rewards.items()}}
+
+    def value(v, i):
+        x = v[i] if i < len(v) else None
+        if isinstance(x, torch.Tensor) or isinstance(x, float):
+            x = float(x)
+            return None if x != x else x
+        return x
+
+    rows = [{"step": step, "prompt": p, "completion": c, **{k: value(v, i) for k, v in rewards.items()}}
             for i, (p, c) in enumerate(zip(prompts, completions))]
     with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -157,7 +166,7 @@ def log_completions(args, step, prompts, completions, rewards):
     lines = [f"{basics.script_name()}: completions at step {step}", header, "-" * len(header)]
     for r in rows[:args.num_completions_to_print]:
         lines.append(f"{cell(r['prompt'], 40, tail=True)} | {cell(r['completion'], 50)} | "
-                     + " | ".join(f"{r[n]:>12.4g}" for n in names))
+                     + " | ".join(f"{r[n]:>12.4g}" if isinstance(r[n], (int, float)) else f"{str(r[n])[:12]:>12}" for n in names))
     tqdm.write("\n".join(lines))
 
 

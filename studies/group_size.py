@@ -65,7 +65,8 @@ def measure_gradients(model_path, num_gradients, seed):
             t1 = time.perf_counter()
             texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
             group = [i for i in idx for _ in range(G)]
-            reward = common.call_reward_fn(gold, [ds["prompt"][i] for i in group], texts, {"post": [ds["post"][i] for i in group]})
+            reward = common.call_reward_fns([gold], [ds["prompt"][i] for i in group], texts, None,
+                                            {"post": [ds["post"][i] for i in group]}, G)[:, 0]
             advantages = grpo.group_advantages(reward, G, "group")  # (64,)
             t2 = time.perf_counter()
             logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, args.temperature)

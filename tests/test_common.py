@@ -232,14 +232,14 @@ def test_reward_fn_from_file_gets_extra_columns(tmp_path):
                  "def bad(prompts, completions, **kw):\n"
                  "    return [1 / len(p.split('=')[1]) for p in prompts]\n")
     fn = common.load_reward_fn(f"{f}:fn")
-    r = common.call_reward_fn(fn, ["2+2=", "3+3="], [" 4", " 5"], {"answer": ["4", "6"]})
+    r = common.call_reward_fns([fn], ["2+2=", "3+3="], [" 4", " 5"], None, {"answer": ["4", "6"]})[:, 0]
     assert r.tolist() == [1.0, 0.0]
-    msg = _error(common.call_reward_fn, common.load_reward_fn(f"{f}:bad"), ["1+1=2", "2+2="], ["a", "b"])
+    msg = _error(common.call_reward_fns, [common.load_reward_fn(f"{f}:bad")], ["1+1=2", "2+2="], ["a", "b"])
     assert "ZeroDivisionError" in msg and "prompt 1" in msg and "2+2=" in msg
     assert "defines no function" in _error(common.load_reward_fn, f"{f}:nope")
     assert "does not exist" in _error(common.load_reward_fn, "missing.py:fn")
-    assert "2 values for 1" in _error(common.call_reward_fn, lambda p, c: [1, 2], ["x"], ["y"])
-    assert "finite" in _error(common.call_reward_fn, lambda p, c: [float("nan")], ["x"], ["y"])
+    assert "2 values for 1" in _error(common.call_reward_fns, [lambda completions, **kw: [1, 2]], ["x"], ["y"])
+    assert "finite" in _error(common.call_reward_fns, [lambda completions, **kw: [float("nan")]], ["x"], ["y"])
     assert common.load_reward_fn("gold") is world.gold_reward
 
 

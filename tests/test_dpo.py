@@ -213,7 +213,7 @@ def test_online_end_to_end_with_a_reward_function(tmp_path, tiny_qwen):
 
 def _online_args(**kw):
     base = dict(max_prompt_length=512, max_new_tokens=6, temperature=1.0, eval_batch_size=64, loss_type="sigmoid",
-                reward_model="", reward_fn="", dtype="float32", attn_implementation="sdpa", trust_remote_code=False,
+                reward_model="", reward_fn="", reward_weights="", max_steps=1, dtype="float32", attn_implementation="sdpa", trust_remote_code=False,
                 top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seed=0)
     return SimpleNamespace(**{**base, **kw})
 
@@ -224,21 +224,21 @@ def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     rl = world.build_world(0, sizes={"sft": 1, "prefs": 1, "rl": 8, "test": 1})["rl"]
     calls = []
 
-    def judge(prompts, completions, columns):  # ties on the first prompt, the word count elsewhere
-        calls.append((prompts, completions, columns))
+    def judge(prompts, completions, completion_ids, columns, step=0):  # ties on the first prompt, the word count elsewhere
+        calls.append((prompts, completions, completion_ids, columns))
         return torch.tensor([0.0 if p == prompts[0] else float(len(c.split())) for p, c in zip(prompts, completions)])
 
     rl_prompts, posts = list(rl["prompt"]), list(rl["post"])
     # seed 4 (sampling.generate's noise): 3 of the 8 random pairs differ in length, 5 tie
     batch, stats, samples = dpo.sample_pairs(model, tok, rl_prompts, {"post": posts}, judge, _online_args(seed=4), (0, 0))
-    prompts, completions, columns = calls[0]
+    prompts, completions, ids, columns = calls[0]
     twice = [p for p in rl_prompts for _ in (0, 1)]  # the two samples of a prompt are adjacent rows
     assert prompts == twice and columns["post"] == [p for p in posts for _ in (0, 1)]
-    scores = judge(prompts, completions, columns).view(-1, 2).t()  # (2, B): first and second samples
+    scores = judge(prompts, completions, ids, columns).view(-1, 2).t()  # (2, B): first and second samples
     n = 8 - stats["ties"]
     assert stats["ties"] == int((scores[0] == scores[1]).sum()) >= 1
     prompt_ids, completion_ids, completion_mask = batch["prompt_ids"], batch["completion_ids"], batch["completion_mask"]
-    assert samples[0] == twice and samples[2].tolist() == judge(prompts, completions, columns).tolist()  # --log_completions
+    assert samples[0] == twice and samples[2].tolist() == judge(prompts, completions, ids, columns).tolist()  # --log_completions
     assert prompt_ids.shape[0] == n and completion_ids.shape[0] == 2 * n
     last = completion_ids.gather(1, completion_mask.sum(1, keepdim=True) - 1).squeeze(1)  # EOS unless truncated
     texts = dpo.sampling.decode_completions(tok, completion_ids, completion_mask, last != tok.eos_token_id)
@@ -257,7 +257,7 @@ def test_online_judge_from_a_reward_model(tmp_path):
     tok.save_pretrained(tmp_path)
     judge, rm = dpo.make_judge(_online_args(reward_model=str(tmp_path)), True)
     prompts = ["POST: alice bought the bike .\nTL;DR:"] * 2
-    scores = judge(prompts, [" alice bought bike .", " bob lost phone ."], {})
+    scores = judge(prompts, [" alice bought bike .", " bob lost phone ."], None, {})
     assert scores.shape == (2,) and scores[0] != scores[1] and not rm.training
     with pytest.raises(SystemExit, match="needs a judge"):
         dpo.make_judge(_online_args(), False)

@@ -130,16 +130,16 @@ def test_user_reward_fn_receives_extra_columns(tmp_path):
     path = tmp_path / "rewards.py"
     path.write_text("def match(prompts, completions, answer, **kw):\n"
                     "    return [float(a in c) for c, a in zip(completions, answer)]\n")
-    args = SimpleNamespace(reward_fn=f"{path}:match", reward_model="", reward_weights="2", dataset="x.jsonl")
+    args = SimpleNamespace(reward_fn=f"{path}:match", reward_model="", reward_weights="2", dataset="x.jsonl", max_steps=1)
     rewards, weights = grpo.load_rewards(args)
     assert [r["name"] for r in rewards] == ["match"] and weights.tolist() == [2.0]
-    scores = grpo.score(rewards, ["say 3", "say 4"], [" 3", " 5"], {"answer": ["3", "4"]}, args)
+    scores = grpo.score(rewards, ["say 3", "say 4"], [" 3", " 5"], None, {"answer": ["3", "4"]}, args)
     assert scores.tolist() == [[1.0], [0.0]]
     # conversational prompts: completions arrive as assistant messages, as in TRL
     path.write_text("def match(prompts, completions, answer, **kw):\n"
                     "    return [float(a in c[-1]['content']) for c, a in zip(completions, answer)]\n")
     rewards, _ = grpo.load_rewards(args)
-    scores = grpo.score(rewards, [[{"role": "user", "content": "say 3"}]], [" 3"], {"answer": ["3"]}, args)
+    scores = grpo.score(rewards, [[{"role": "user", "content": "say 3"}]], [" 3"], None, {"answer": ["3"]}, args)
     assert scores.tolist() == [[1.0]]
 
 
@@ -273,5 +273,5 @@ def test_a_fork_says_its_own_name(tmp_path, tiny_qwen, monkeypatch, capsys):
     capsys.readouterr()
     grpo.main()
     printed = capsys.readouterr().out
-    assert descs == ["my_grpo"] and "my_grpo: note: --batch_size 2" in printed and f"my_grpo: " in printed
+    assert descs == ["my_grpo"] and "my_grpo: note: --batch_size 2" in printed and "my_grpo: " in printed
     assert f"saved to {out}" in printed and "\ngrpo:" not in "\n" + printed

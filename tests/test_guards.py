@@ -75,7 +75,7 @@ def test_check_finite_names_what_and_when():
 
 
 def test_nan_reward_from_a_reward_function_names_the_prompt():
-    msg = _error(common.call_reward_fn, lambda prompts, completions: [1.0, float("nan")], ["p0", "the bad one"], ["a", "b"])
+    msg = _error(common.call_reward_fns, [lambda prompts, completions, **kw: [1.0, float("nan")]], ["p0", "the bad one"], ["a", "b"])
     assert "nan" in msg and "prompt 1" in msg and "the bad one" in msg
 
 
@@ -149,7 +149,7 @@ def test_empty_generated_response_is_a_valid_completion(tiny_qwen):
     logprobs = sampling.completion_logprobs(model, p_ids, p_mask, ids, mask)
     assert torch.isfinite(logprobs).all() and (logprobs[0, 1:] == 0).all()
     assert sampling.decode_completions(tok, ids, mask, torch.tensor([False, False]))[0] == ""
-    rewards = common.call_reward_fn(world.gold_reward, ["POST: alice bought the bike . TL;DR:"] * 2, ["", " alice ."])
+    rewards = common.call_reward_fns([world.gold_reward], ["POST: alice bought the bike . TL;DR:"] * 2, ["", " alice ."])
     assert torch.isfinite(rewards).all()
 
 
@@ -369,19 +369,19 @@ def test_bad_model_folders_are_one_sentence(tmp_path, tiny_qwen):
 def test_reward_functions_return_any_real_number_and_may_not_exit():
     import numpy as np
 
-    rewards = common.call_reward_fn(lambda p, c: [np.float32(0.5), torch.tensor(-1.0), 2, np.int64(3)], list("abcd"), list("wxyz"))
+    rewards = common.call_reward_fns([lambda completions, **kw: [np.float32(0.5), torch.tensor(-1.0), 2, np.int64(3)]], list("abcd"), list("wxyz"))[:, 0]
     assert rewards.tolist() == [0.5, -1.0, 2.0, 3.0]
-    assert "returned True for prompt 0" in _error(common.call_reward_fn, lambda p, c: [True], ["a"], ["b"])
-    assert "returned tensor([1., 2.])" in _error(common.call_reward_fn, lambda p, c: [torch.tensor([1.0, 2.0])], ["a"], ["b"])
+    assert "returned True for prompt 0" in _error(common.call_reward_fns, [lambda completions, **kw: [True]], ["a"], ["b"])
+    assert "returned tensor([1., 2.])" in _error(common.call_reward_fns, [lambda completions, **kw: [torch.tensor([1.0, 2.0])]], ["a"], ["b"])
 
-    def quits(prompts, completions):
+    def quits(prompts, completions, **kw):
         import sys
 
         if any("bad" in p for p in prompts):
             sys.exit(3)
         return [1.0] * len(prompts)
 
-    msg = _error(common.call_reward_fn, quits, ["ok", "a bad one"], ["x", "y"])
+    msg = _error(common.call_reward_fns, [quits], ["ok", "a bad one"], ["x", "y"])
     assert "reward function quits raised SystemExit: 3" in msg and "prompt 1" in msg and "a bad one" in msg
 
 

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,6 @@ import common
 import data
 import dpo
 import eval as ev
-import grpo
 import sft
 
 
@@ -162,7 +160,7 @@ def test_a_reward_model_is_not_a_policy(tmp_path, tiny_qwen):
 def test_online_dpo_stops_on_a_nan_judge(tmp_path, tiny_qwen, monkeypatch, capsys):
     rewards = tmp_path / "r.py"
     rewards.write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")
-    monkeypatch.setattr(common, "call_reward_fn", lambda fn, p, c, cols=None: torch.full((len(c),), float("nan")))
+    monkeypatch.setattr(common, "call_reward_fns", lambda fns, p, c, *a, **k: torch.full((len(c), len(fns)), float("nan")))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(4)))
     msg = main_error(dpo, ["--online", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:nan",

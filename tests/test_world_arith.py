@@ -117,4 +117,4 @@ def test_verifiers_by_name_through_the_reward_contract():
     for name, expected in (("arith_strict", [1.0, 0.0]), ("arith_lenient", [1.0, 0.0])):
         fn = common.load_reward_fn(name)
         assert fn.__name__ == name
-        assert common.call_reward_fn(fn, prompts, completions, {"answer": [132, 20]}).tolist() == expected
+        assert common.call_reward_fns([fn], prompts, completions, None, {"answer": [132, 20]})[:, 0].tolist() == expected
