@@ -27,8 +27,10 @@ import data
 import lora
 import parallel
 import sampling
+import sandbox
 import world
 import world_arith
+import world_code
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
@@ -46,6 +48,7 @@ _quiet_transformers()
 
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
+CODE = world_code.SPEC  # --dataset embedded:code selects the code world (world_code.py)
 CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 
 
@@ -56,7 +59,7 @@ class ModelArgs:
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
-    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
+    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both), 'embedded:code' (the code world), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset to train on (Hub datasets and folders)."})
     output_dir: str = field(default="", metadata={"help": "Where metrics.jsonl, checkpoints, summary.json and the final model go (default: runs/<script>)."})
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})
@@ -602,14 +605,17 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
 def load_reward_fn(spec):
     """`file.py:function` -> the function, called as fn(prompts, completions, **columns) -> floats
     (TRL's reward-function signature); `gold` -> the embedded world's gold judge; `arith_strict`,
-    `arith_lenient` -> the arithmetic world's verifiers."""
+    `arith_lenient` -> the arithmetic world's verifiers; `exec_tests`, `exec_tests_strict` -> the
+    execution verifiers (sandbox.py: the completion's code against the `tests` column)."""
     if spec == "gold":
         return world.gold_reward
     if spec in world_arith.VERIFIERS:
         return world_arith.VERIFIERS[spec]
+    if spec in sandbox.VERIFIERS:
+        return sandbox.VERIFIERS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join(world_arith.VERIFIERS)}).")
+        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS])}).")
     if not os.path.isfile(path):
         fail(f"--reward_fn {spec!r}: file {path} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
@@ -716,6 +722,16 @@ def arith_split(spec, split, seed=0):
     if (spec, seed) not in _WORLD_CACHE:
         _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
     return _WORLD_CACHE[spec, seed][split]
+
+
+def code_split(split, seed=0):
+    """A split of the code world, --dataset embedded:code (built once per process)."""
+    if split not in ("sft", "rl", "test"):
+        fail(f"--dataset {CODE}: the code world has no {split!r} split (only sft, rl, test): it is a world "
+             "for SFT and RL with an execution verifier, not for preference pairs.")
+    if (CODE, seed) not in _WORLD_CACHE:
+        _WORLD_CACHE[CODE, seed] = world_code.build_world(seed)
+    return _WORLD_CACHE[CODE, seed][split]
 
 
 def gold_eval(model, tokenizer, args, max_new_tokens=48, n=None):

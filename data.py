@@ -65,6 +65,8 @@ def training_data(args, world_split):
         return common.embedded_world(args.seed)[world_split]
     if args.dataset.startswith(common.ARITH):
         return common.arith_split(args.dataset, world_split, args.seed)
+    if args.dataset == common.CODE:
+        return common.code_split(world_split, args.seed)
     return load_data(args.dataset, args.dataset_split)
 
 

@@ -96,7 +96,7 @@ class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier) or file.py:function, called as fn(prompts, completions, **other_columns). Default: gold when no --reward_model is given."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called as fn(prompts, completions, **other_columns). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     # generation
@@ -230,7 +230,8 @@ def load_rewards(args):
         if args.dataset != common.EMBEDDED:
             common.fail(f"--dataset {args.dataset} needs a reward: pass --reward_fn file.py:function "
                         "(fn(prompts, completions, **columns) -> list[float]), --reward_model PATH, or on "
-                        f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient).")
+                        f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient); on a dataset with "
+                        "a `tests` column (e.g. embedded:code) the execution verifier: --reward_fn exec_tests.")
         specs = ["gold"]
     rewards = []
     for spec in specs:
