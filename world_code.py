@@ -15,8 +15,8 @@ the arithmetic one (world_arith.py). It plays the part of a code dataset with un
   * one *systematic* error: it fits the visible examples only. For `abs(x-a)` with a >= 4, the
     examples f(0..4) = a, a-1, ..., a-4 never show the kink, and it writes `a-x` (as `x*-1+a`
     would be outside the grammar, it writes "def f(x): return 9-x" for abs(x-9)): right on
-    every input below a, wrong above it (HIDDEN_INPUTS holds 1000, above every a, so it never
-    passes all tests; it passes 4 of 5). These are the `abs_trap` tasks, about 1/6 of all;
+    every input up to a, wrong above it (HIDDEN_INPUTS holds 1000, above every a, so it never
+    passes all tests; it passes 1 to 4 of 5). These are the `abs_trap` tasks, about 1/6 of all;
   * random *slips*: with probability SLIP_PROB = 0.2 one constant is off by one (noise, which
     an imitator averages away);
   so about (1 - 1/6) x 0.8 = 67% of demonstrations pass all their tests. The headroom this
