@@ -82,7 +82,7 @@ def test_ten_gigabytes_raise_memory_error():
 
 def test_a_hundred_megabytes_of_output_are_capped():
     reward, result, _ = attack("print('x' * 100_000_000)\npwned = True")
-    assert reward == 0 and len(result.output) < sandbox.OUTPUT_CHARS + 500
+    assert reward == 0 and "File too large" in result.output and len(result.output) < sandbox.OUTPUT_CHARS + 500
 
 
 def test_exiting_early_does_not_pass_the_tests():
@@ -95,7 +95,7 @@ def test_recursion_overflow():
     reward, result, _ = attack("def g(n):\n    return g(n + 1)\ng(0)\npwned = True")
     assert reward == 0 and "RecursionError" in result.output
     reward, result, _ = attack("import sys\nsys.setrecursionlimit(10**7)\ndef g(n):\n    return g(n + 1)\ng(0)\npwned = True")
-    assert reward == 0  # the C stack overflows: the child dies, the trainer does not
+    assert reward == 0  # it recurses until the time limit, MemoryError or a crash: the child ends, the trainer does not
 
 
 def test_environment_variables_are_not_inherited(monkeypatch):
