@@ -41,8 +41,8 @@ demo-rlvr: install
 demo-code: install
 	$(PYTHON) sft.py --dataset embedded:code --hidden_size 128 --num_layers 4 --max_steps 1000 --output_dir runs/sft_code --overwrite_output_dir
 	rm -rf runs/grpo_code
-	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_code -- --model runs/sft_code --dataset embedded:code --reward_fn exec_tests --temperature 1.0
-	$(PYTHON) eval.py sft=runs/sft_code 'grpo=runs/grpo_code/grpo/seed*' --dataset embedded:code --reward_fn exec_tests_strict --num_samples 16 --group_by abs_trap --output_dir runs/eval_code
+	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_code -- --model runs/sft_code --dataset embedded:code --reward_fn exec_tests --temperature 1.0 --max_steps 60 --learning_rate 1e-4
+	$(PYTHON) eval.py sft=runs/sft_code 'grpo=runs/grpo_code/grpo/seed*' --dataset embedded:code --reward_fn exec_tests_strict --num_samples 8 --group_by abs_trap --output_dir runs/eval_code
 
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
