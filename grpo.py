@@ -33,6 +33,8 @@ Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normal
 
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
 default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
+the execution verifiers (`--reward_fn exec_tests`, `exec_tests_strict`: the completion's code run
+against the `tests` column in sandbox.py's limited process),
 a reward model saved by reward.py (`--reward_model runs/reward`), a user function
 `--reward_fn rewards.py:fn` called as fn(prompts, completions, **other_columns) -> list[float]
 (TRL's signature), or a weighted sum of several (`--reward_weights`).

@@ -10,7 +10,7 @@ Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
   on the embedded TL;DR world (world.py) with its tokenizer (one token per word of its
   vocabulary), which is what the tests and `make demo` run; on any other --dataset (the
-  arithmetic world, a .jsonl) with a character- or word-level tokenizer fitted to the training
+  arithmetic and code worlds, a .jsonl) with a character- or word-level tokenizer fitted to the training
   text (--scratch_tokenizer). All are byte-level BPEs that AutoTokenizer loads exactly (scratch.py).
 - `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
