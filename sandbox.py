@@ -122,8 +122,8 @@ if error is None:
             passed.append(False)
             error = error or "test: " + type(e).__name__ + ": " + str(e)[:300]
 try:
-    sys.stdout.flush()
-except BaseException:
+    sys.stdout.flush()  # what the code printed, for Result.output
+except BaseException:  # the code closed or replaced sys.stdout: its output is not ours to report
     pass
 results.write(marshal.dumps({"passed": passed, "error": error}))
 results.flush()
