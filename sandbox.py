@@ -20,7 +20,8 @@ How one completion runs (`run`):
   RLIMIT_NPROC = 1 (no new process or thread: fork, subprocess and threads fail);
 - when the trainer runs as root (the usual container), the harness also enters a new network
   namespace (unshare(CLONE_NEWNET) through libc: no interface but a down loopback, so no socket
-  can reach anything) and then drops to an unprivileged uid, UID_BASE + the pool slot, one uid per
+  can reach anything) and then drops to an unprivileged uid of its own (`_uid`: one per pool slot
+  and per trainer process, so two ranks or two trainers on a machine rarely share one), one uid per
   concurrent run: RLIMIT_NPROC is enforced for it (root ignores it), it can read or change only
   world-readable / world-writable files, and it can signal no process but itself (not the
   trainer, not another completion's run);
@@ -73,7 +74,8 @@ MEMORY_MB = 1024  # RLIMIT_AS: address space of the child, interpreter included
 FILE_SIZE_MB = 4  # RLIMIT_FSIZE: the largest file the child may write (its captured output too)
 OPEN_FILES = 32  # RLIMIT_NOFILE
 OUTPUT_CHARS = 2000  # characters of the code's output kept in Result.output
-UID_BASE = 61000  # as root, concurrent run k runs as uid UID_BASE + k (a uid no user of this machine holds)
+UID_BASE, UID_RANGE = 61000, 4096  # as root, runs take uids in UID_BASE..UID_BASE+UID_RANGE-1 (no user may hold one)
+MAX_WORKERS = 64  # pool slots per process
 PRELOAD = ("math", "itertools", "heapq", "bisect")  # see _stdlib_readable; cheap ones: each costs every run start-up time
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # + HOME = the working directory
@@ -156,8 +158,11 @@ def _limits(timeout):
 
 
 def _uid(slot):
-    """The uid of pool slot `slot` when running as root (None otherwise: the code runs as us)."""
-    return UID_BASE + slot if os.geteuid() == 0 else None
+    """The uid of pool slot `slot` when running as root (None otherwise: the code runs as us):
+    a block of MAX_WORKERS uids per process, chosen by its pid, so concurrent processes (torchrun
+    ranks, two trainers) share a block only when their pids agree modulo 64."""
+    block = os.getpid() % (UID_RANGE // MAX_WORKERS)
+    return UID_BASE + block * MAX_WORKERS + slot if os.geteuid() == 0 else None
 
 
 def _spawn(code, tests, timeout, slot):
@@ -232,9 +237,9 @@ def check():
             return
         if os.geteuid() == 0:
             import pwd
-            taken = [p.pw_name for p in pwd.getpwall() if UID_BASE <= p.pw_uid < UID_BASE + 1024]
+            taken = [p.pw_name for p in pwd.getpwall() if UID_BASE <= p.pw_uid < UID_BASE + UID_RANGE]
             if taken:
-                raise SandboxError(f"sandbox: uids {UID_BASE}..{UID_BASE + 1023} must belong to no user, but "
+                raise SandboxError(f"sandbox: uids {UID_BASE}..{UID_BASE + UID_RANGE - 1} must belong to no user, but "
                                    f"{', '.join(taken)} holds one; set sandbox.UID_BASE to a free range.")
         status, passed, output, report = _spawn("x = 1", ["assert x == 1"], 30.0, 0)
         if passed != (True,):
@@ -252,7 +257,7 @@ def default_workers():
 def run_batch(jobs, workers=None, timeout=TIMEOUT):
     """Results of [(code, tests), ...], in order, `workers` runs at a time; duplicates run once."""
     check()
-    workers = max(1, workers or default_workers())
+    workers = min(MAX_WORKERS, max(1, workers or default_workers()))
     unique = list(dict.fromkeys((code, tuple(tests)) for code, tests in jobs))
     slots = list(range(workers))  # a run takes a slot (its uid) and gives it back: never two runs on one uid
     lock = threading.Lock()

@@ -34,7 +34,8 @@ def attack(code, timeout=TIMEOUT):
 
 
 def sandbox_processes():
-    """Pids of live processes owned by the sandbox's uids."""
+    """Pids of live processes owned by this process's sandbox uids (other pytest workers have their own)."""
+    first = sandbox._uid(0)
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -42,7 +43,7 @@ def sandbox_processes():
                 uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue
-        if sandbox.UID_BASE <= uid < sandbox.UID_BASE + 1024:
+        if first is not None and first <= uid < first + sandbox.MAX_WORKERS:
             pids.append(pid)
     return pids
 
