@@ -8,6 +8,7 @@ The other shared modules, by reader:
 - tracking.py: metrics.jsonl, the console, trackers, --log_completions;
 - checkpoints.py: the output folder, checkpoints, the final save and resume;
 - lora.py: LoRA / QLoRA adapters and the adapters-off reference;
+- sandbox.py: generated code run against unit tests in a limited process (the execution verifiers);
 - parallel.py (torchrun) and memory.py (the memory plan and its measurement), which nobody
   needs to read to fork a script.
 """
