@@ -14,10 +14,12 @@ import torch
 
 import world
 import world_arith
+import world_code
 
 # ============================================================================ names
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
+CODE = world_code.SPEC  # --dataset embedded:code selects the code world (world_code.py)
 CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in common.optimizer_step and parallel's all-reduce (256 MB of fp32 weights)
 
@@ -106,3 +108,13 @@ def arith_split(spec, split, seed=0):
     if (spec, seed) not in _WORLD_CACHE:
         _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
     return _WORLD_CACHE[spec, seed][split]
+
+
+def code_split(split, seed=0):
+    """A split of the code world, --dataset embedded:code (built once per process)."""
+    if split not in ("sft", "rl", "test"):
+        fail(f"--dataset {CODE}: the code world has no {split!r} split (only sft, rl, test): it is a world "
+             "for SFT and RL with an execution verifier, not for preference pairs.")
+    if (CODE, seed) not in _WORLD_CACHE:
+        _WORLD_CACHE[CODE, seed] = world_code.build_world(seed)
+    return _WORLD_CACHE[CODE, seed][split]

@@ -11,6 +11,7 @@ re-exports so that a script writes common.fail). The other shared modules, by re
 - tracking.py: metrics.jsonl, the console, trackers, --log_completions;
 - checkpoints.py: the output folder, checkpoints, the final save and resume;
 - lora.py: LoRA / QLoRA adapters and the adapters-off reference;
+- sandbox.py: generated code run against unit tests in a limited process (the execution verifiers);
 - parallel.py (torchrun) and memory.py (the memory plan and its measurement), which nobody
   needs to read to fork a script.
 """
@@ -32,11 +33,12 @@ import data
 import lora
 import parallel
 import sampling
+import sandbox
 import world
 import world_arith
 from basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
-    ARITH, CHAT_TEMPLATE_KWARGS, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, device, embedded_world, fail,
-    freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
+    ARITH, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, code_split, device,
+    embedded_world, fail, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
@@ -61,7 +63,7 @@ class ModelArgs:
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
-    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
+    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both), 'embedded:code' (the code world), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset to train on (Hub datasets and folders)."})
     output_dir: str = field(default="", metadata={"help": "Where metrics.jsonl, checkpoints, summary.json and the final model go (default: runs/<script>)."})
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})
@@ -608,14 +610,17 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
 def load_reward_fn(spec):
     """`file.py:function` -> the function, called as TRL calls it (call_reward_fns: by keyword,
     fn(prompts=, completions=, completion_ids=, **columns, ...) -> floats or None); `gold` -> the embedded world's gold judge; `arith_strict`,
-    `arith_lenient` -> the arithmetic world's verifiers."""
+    `arith_lenient` -> the arithmetic world's verifiers; `exec_tests`, `exec_tests_strict` -> the
+    execution verifiers (sandbox.py: the completion's code against the `tests` column)."""
     if spec == "gold":
         return world.gold_reward
     if spec in world_arith.VERIFIERS:
         return world_arith.VERIFIERS[spec]
+    if spec in sandbox.VERIFIERS:
+        return sandbox.VERIFIERS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join(world_arith.VERIFIERS)}).")
+        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS])}).")
     if not os.path.isfile(path):
         fail(f"--reward_fn {spec!r}: file {path} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)

@@ -65,6 +65,8 @@ def training_data(args, world_split):
         return basics.embedded_world(args.seed)[world_split]
     if args.dataset.startswith(basics.ARITH):
         return basics.arith_split(args.dataset, world_split, args.seed)
+    if args.dataset == basics.CODE:
+        return basics.code_split(world_split, args.seed)
     return load_data(args.dataset, args.dataset_split)
 
 

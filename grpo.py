@@ -33,6 +33,8 @@ Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normal
 
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
 default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
+the execution verifiers (`--reward_fn exec_tests`, `exec_tests_strict`: the completion's code run
+against the `tests` column in sandbox.py's limited process),
 a reward model saved by reward.py (`--reward_model runs/reward`), a user function
 `--reward_fn rewards.py:fn` called as TRL calls it (by keyword: prompts, completions,
 completion_ids, the other columns, trainer_state, log_extra, log_metric; common.call_reward_fns),
@@ -99,7 +101,7 @@ class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     # generation
@@ -243,7 +245,8 @@ def load_rewards(args):
         if args.dataset != common.EMBEDDED:
             common.fail(f"--dataset {args.dataset} needs a reward: pass --reward_fn file.py:function "
                         "(called by keyword as TRL calls it: fn(completions, **kwargs) -> list[float]), --reward_model PATH, or on "
-                        f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient).")
+                        f"{common.ARITH} a verifier: --reward_fn arith_strict (or arith_lenient); on a dataset with "
+                        "a `tests` column (e.g. embedded:code) the execution verifier: --reward_fn exec_tests.")
         specs = ["gold"]
     rewards = []
     for spec in specs:

@@ -10,7 +10,7 @@ Departures from the paper and from TRL:
 - With no --model, a tiny Qwen2 is built from a config and trained *from scratch* (scratch.py):
   on the embedded TL;DR world (world.py) with its tokenizer (one token per word of its
   vocabulary), which is what the tests and `make demo` run; on any other --dataset (the
-  arithmetic world, a .jsonl) with a character- or word-level tokenizer fitted to the training
+  arithmetic and code worlds, a .jsonl) with a character- or word-level tokenizer fitted to the training
   text (--scratch_tokenizer). All are byte-level BPEs that AutoTokenizer loads exactly (scratch.py).
 - `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
@@ -52,7 +52,7 @@ class Args(TrainArgs):
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
     hidden_size: int = field(default=192, metadata={"help": "From-scratch model only (any --dataset): hidden size of the tiny Qwen2."})
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
-    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith, word on other datasets."})
+    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith and embedded:code, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed (from scratch: 1500)."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
@@ -119,7 +119,7 @@ def main():
         else:  # a tokenizer fitted to the training text: every character, or every word, it contains
             if any(not isinstance(p, str) or not isinstance(c, str) for p, c in pairs):
                 common.fail("a from-scratch tokenizer has no chat template: pass prompt/completion as plain text, or --model.")
-            level = args.scratch_tokenizer or ("char" if args.dataset.startswith(common.ARITH) else "word")
+            level = args.scratch_tokenizer or ("char" if args.dataset.startswith(common.ARITH) or args.dataset == common.CODE else "word")
             tokenizer = scratch.fit_tokenizer([t for pair in pairs for t in pair], level)
         model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
         model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
