@@ -178,10 +178,10 @@ def finish_run(args, summary):
 
 
 def check_output_dir(args):
-    """Before anything loads: --model must not lie inside --output_dir (any depth,
-    any link) unless the run resumes there, a folder that holds another run's model, adapters or
-    checkpoints needs --resume or --overwrite_output_dir, and the folder must be writable (it is
-    created and locked now, not after the models have loaded) with room for the model."""
+    """Before anything loads: --model must not lie inside --output_dir (any depth, any link) unless
+    the run resumes there, a folder that holds another run's model, adapters or checkpoints needs
+    --resume or --overwrite_output_dir, and the folder must be writable (or creatable) with room
+    for the model. All checked now, not after the models have loaded; nothing is written yet."""
     resuming = args.resume or args.resume_from_checkpoint
     model = getattr(args, "model", "")
     if model and os.path.exists(model) and is_inside(model, args.output_dir) and not resuming:
@@ -196,12 +196,16 @@ def check_output_dir(args):
                     "pass --resume to continue that run, --overwrite_output_dir to replace it, or another --output_dir.")
     if not _is_rank0():
         return
-    with writing(args.output_dir, "nothing was written; pass a --output_dir on a writable disk."):
-        os.makedirs(args.output_dir, exist_ok=True)
-    _lock(args.output_dir)
+    existing = os.path.abspath(args.output_dir)  # the folder, or the nearest folder above it that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "is not writable"
+        common.fail(f"cannot write {args.output_dir} ({existing} {why}); nothing was written: pass a --output_dir "
+                    "on a writable disk.")
     saves_model = not getattr(args, "use_peft", False) or getattr(args, "merge_adapters", True)
     need = _model_bytes(model) if saves_model and not args.overwrite_output_dir else 0  # overwriting frees room
-    free = shutil.disk_usage(args.output_dir).free
+    free = shutil.disk_usage(existing).free
     if need > free:
         basics.fail(f"--output_dir {args.output_dir} has {free / 1e6:.1f} MB free, and saving a model the size of "
                     f"--model {args.model} needs {need / 1e6:.1f} MB; free some space or pass another --output_dir.")

@@ -251,8 +251,7 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     assert "holds another run's model and checkpoints (checkpoint-2, config.json)" in msg and "--overwrite_output_dir" in msg
     assert "is the --model folder" in _error(checkpoints.check_output_dir, SimpleNamespace(**{**vars(args), "output_dir": tiny_qwen}))
     args.overwrite_output_dir = True
-    checkpoints.check_output_dir(args)  # passes, and locks the folder before anything loads
-    checkpoints.release_output_dir()
+    checkpoints.check_output_dir(args)
     # a live run holds <output_dir>/.lock: a second one is refused; the OS frees it when the holder dies
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",

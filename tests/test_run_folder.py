@@ -202,7 +202,7 @@ def test_read_only_and_new_folders_under_a_read_only_mount_fail_before_loading(t
         monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
         for out in (ro, ro / "new" / "run"):
             msg = main_error(sft, _sft_flags(tiny_qwen, sft_data, out), monkeypatch, capsys)
-            assert msg.startswith(f"error: cannot write {out}") and "Read-only file system" in msg, msg
+            assert msg.startswith(f"error: cannot write {out} ({ro} is on a read-only file system)"), msg
 
 
 def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tmp_path, tiny_qwen, sft_data, monkeypatch, capsys):
