@@ -201,7 +201,7 @@ def check_output_dir(args):
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "is on a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "is not writable"
-        common.fail(f"cannot write {args.output_dir} ({existing} {why}); nothing was written: pass a --output_dir "
+        basics.fail(f"cannot write {args.output_dir} ({existing} {why}); nothing was written: pass a --output_dir "
                     "on a writable disk.")
     saves_model = not getattr(args, "use_peft", False) or getattr(args, "merge_adapters", True)
     need = _model_bytes(model) if saves_model and not args.overwrite_output_dir else 0  # overwriting frees room
