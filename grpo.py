@@ -320,6 +320,8 @@ def main():
         common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
     if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
         common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        common.fail(f"--max_tool_calling_iterations {args.max_tool_calling_iterations}: must be >= 0 (or unset: no limit).")
     if args.save_steps and args.save_steps % args.num_iterations:
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
@@ -341,6 +343,12 @@ def main():
     data.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
     data.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
+    # --tools: functions the model may call; their JSON schemas go to the chat template with every prompt
+    tool_list = tools.load_tools(args.tools) if args.tools else []
+    schemas = [t.schema for t in tool_list] or None
+    if tool_list and not all(data.is_conversational(p) for p in ds["prompt"]):
+        common.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(args.dataset)}: "
+                    "tool turns are rendered by the chat template.")
     eval_ds = data.eval_data(args)
     if eval_ds is not None:
         data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
@@ -360,12 +368,6 @@ def main():
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
-    # --tools: functions the model may call; their JSON schemas go to the chat template with every prompt
-    tool_list = tools.load_tools(args.tools) if args.tools else []
-    schemas = [t.schema for t in tool_list] or None
-    if tool_list and not all(data.is_conversational(p) for p in raw_prompts):
-        common.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(args.dataset)}: "
-                    "tool turns are rendered by the chat template.")
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}

@@ -273,3 +273,70 @@ def test_grpo_with_tools_end_to_end(qwen, tmp_path, monkeypatch):
     assert rows[0]["reward"] == pytest.approx(0.25)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert len(script.calls) == 4  # a first turn and one continuation per step
+
+
+def _rollout_with_real_continuations(qwen, tool_path, convs):
+    """Turn 0 scripted (every row calls `add`, rows differ in length), later turns sampled by the
+    real, seeded sampling.generate: what rank independence is about."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(qwen), AutoModelForCausalLM.from_pretrained(qwen)
+    tool_list = tools.load_tools(f"{tool_path}:add")
+    real = sampling.generate
+
+    def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0, num_return_sequences=1,
+                 seed=None, **kw):
+        if num_return_sequences == 1:  # a continuation: the real sampler
+            return real(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature,
+                        num_return_sequences=1, seed=seed, **kw)
+        first = [CALL % ("add", f'"a": {c[0]["content"].count("x")}, "b": {j * 111}') for c in convs
+                 for j in range(num_return_sequences)]
+        return scripted_generate([first])(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens,
+                                          num_return_sequences=num_return_sequences)
+
+    sampling.generate = generate
+    try:
+        schemas = [t.schema for t in tool_list]
+        ids, mask = data.encode_prompts(tok, [data.render_prompt(tok, c, schemas) for c in convs])
+        return tools.generate_with_tools(model, tok, ids, mask, convs, tool_list, None, 200, 1.0, 2, seed=1234)
+    finally:
+        sampling.generate = real
+
+
+def _tools_on_two_ranks(tmp, qwen, convs):
+    import parallel
+
+    one = torch.load(f"{tmp}/one.pt")
+    mine = parallel.shard(list(range(len(convs))))
+    out = _rollout_with_real_continuations(qwen, f"{tmp}/calc.py", [convs[i] for i in mine])
+    rows = [r for i in mine for r in (2 * i, 2 * i + 1)]
+    width = out.completion_ids.shape[1]
+    assert out.messages == [one["messages"][r] for r in rows]
+    assert torch.equal(out.completion_ids, one["ids"][rows][:, :width]) and not one["mask"][rows][:, width:].any()
+    assert torch.equal(out.completion_mask, one["own"][rows][:, :width])
+
+
+def test_two_ranks_sample_what_one_rank_samples(qwen, tmp_path):
+    """1 rank x 4 prompts and 2 ranks x 2 prompts give every row the same multi-turn exchange:
+    the continuations after the tool replies draw the noise of the row's global index."""
+    from test_distributed import _spawn
+
+    (tmp_path / "calc.py").write_text(TOOLS_FILE)
+    convs = [[{"role": "user", "content": "x" * (k + 1)}] for k in range(4)]
+    one = _rollout_with_real_continuations(qwen, tmp_path / "calc.py", convs)
+    assert one.calls == 8
+    assert (one.completion_mask.sum(1) > 70).all()  # the real sampler wrote after the tool turn (turn 0: 69 tokens)
+    torch.save({"messages": one.messages, "ids": one.completion_ids, "mask": one.attention_mask,
+                "own": one.completion_mask}, tmp_path / "one.pt")
+    _spawn(_tools_on_two_ranks, str(tmp_path), qwen, convs)
+
+
+def test_tools_need_conversational_prompts(tmp_path, tiny_qwen, monkeypatch):
+    import grpo
+    from conftest import run_main
+
+    (tmp_path / "calc.py").write_text(TOOLS_FILE)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n")
+    with pytest.raises(SystemExit, match="--tools needs conversational prompts"):
+        run_main(grpo, ["--model", tiny_qwen, "--dataset", str(tmp_path / "p.jsonl"), "--reward_fn", "arith_strict",
+                        "--tools", f"{tmp_path}/calc.py:add", "--output_dir", str(tmp_path / "out")], monkeypatch)
