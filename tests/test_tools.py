@@ -81,12 +81,10 @@ def qwen_tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def build_qwen(path):
     """A Qwen2.5-shaped folder: the tokenizer above and a tiny Qwen2 (random weights)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny_qwen_tools")
     tok = qwen_tokenizer()
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -95,6 +93,11 @@ def qwen(tmp_path_factory):
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return build_qwen(tmp_path_factory.mktemp("tiny_qwen_tools"))
 
 
 @pytest.fixture
@@ -303,32 +306,39 @@ def _rollout_with_real_continuations(qwen, tool_path, convs):
         sampling.generate = real
 
 
-def _tools_on_two_ranks(tmp, qwen, convs):
+RANK_CONVS = [[{"role": "user", "content": "x" * (k + 1)}] for k in range(4)]
+
+
+def prepare_two_ranks(tmp):
+    """For tests/test_distributed.py's in-process ranks: a Qwen2.5-shaped folder, the tools file and
+    1 rank x 4 prompts' multi-turn rollout (tmp/tools/one.pt), which `tools_on_two_ranks` compares
+    with each rank's 2 prompts."""
+    import pathlib
+
+    folder = pathlib.Path(tmp) / "tools"
+    build_qwen(folder / "model")
+    (folder / "calc.py").write_text(TOOLS_FILE)
+    one = _rollout_with_real_continuations(str(folder / "model"), folder / "calc.py", RANK_CONVS)
+    assert one.calls == 8
+    assert (one.completion_mask.sum(1) > 70).all()  # the real sampler wrote after the tool turn (turn 0: 69 tokens)
+    torch.save({"messages": one.messages, "ids": one.completion_ids, "mask": one.attention_mask,
+                "own": one.completion_mask}, folder / "one.pt")
+
+
+def tools_on_two_ranks(tmp):
+    """On each of 2 ranks: its 2 prompts give every row the exchange 1 rank x 4 prompts gave it --
+    the continuations after the tool replies draw the noise of the row's global index."""
     import parallel
 
-    one = torch.load(f"{tmp}/one.pt")
-    mine = parallel.shard(list(range(len(convs))))
-    out = _rollout_with_real_continuations(qwen, f"{tmp}/calc.py", [convs[i] for i in mine])
+    folder = f"{tmp}/tools"
+    one = torch.load(f"{folder}/one.pt")
+    mine = parallel.shard(list(range(len(RANK_CONVS))))
+    out = _rollout_with_real_continuations(f"{folder}/model", f"{folder}/calc.py", [RANK_CONVS[i] for i in mine])
     rows = [r for i in mine for r in (2 * i, 2 * i + 1)]
     width = out.completion_ids.shape[1]
     assert out.messages == [one["messages"][r] for r in rows]
     assert torch.equal(out.completion_ids, one["ids"][rows][:, :width]) and not one["mask"][rows][:, width:].any()
     assert torch.equal(out.completion_mask, one["own"][rows][:, :width])
-
-
-def test_two_ranks_sample_what_one_rank_samples(qwen, tmp_path):
-    """1 rank x 4 prompts and 2 ranks x 2 prompts give every row the same multi-turn exchange:
-    the continuations after the tool replies draw the noise of the row's global index."""
-    from test_distributed import _spawn
-
-    (tmp_path / "calc.py").write_text(TOOLS_FILE)
-    convs = [[{"role": "user", "content": "x" * (k + 1)}] for k in range(4)]
-    one = _rollout_with_real_continuations(qwen, tmp_path / "calc.py", convs)
-    assert one.calls == 8
-    assert (one.completion_mask.sum(1) > 70).all()  # the real sampler wrote after the tool turn (turn 0: 69 tokens)
-    torch.save({"messages": one.messages, "ids": one.completion_ids, "mask": one.attention_mask,
-                "own": one.completion_mask}, tmp_path / "one.pt")
-    _spawn(_tools_on_two_ranks, str(tmp_path), qwen, convs)
 
 
 def test_tools_need_conversational_prompts(tmp_path, tiny_qwen, monkeypatch):
