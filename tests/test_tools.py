@@ -274,6 +274,10 @@ def test_grpo_with_tools_end_to_end(qwen, tmp_path, monkeypatch):
     assert rows[0]["tools/call_frequency"] == pytest.approx(0.5)
     assert rows[0]["tools/failure_frequency"] == pytest.approx(0.5)  # "x" is no int: add raises in the sandbox
     assert rows[0]["reward"] == pytest.approx(0.25)
+    # the model's tokens only (each turn + its <|im_end|>, one byte a token): not the tool turns
+    own = [len(first[0]) + 1 + len("So: 5.") + 1, len(first[1]) + 1, len(first[2]) + 1 + len("So: 5.") + 1, len(first[3]) + 1]
+    assert rows[0]["completions/mean_length"] == pytest.approx(sum(own) / 4)
+    assert rows[0]["completions/max_length"] == max(own) and rows[0]["kl"] == pytest.approx(0, abs=1e-6)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert len(script.calls) == 4  # a first turn and one continuation per step
 
