@@ -80,7 +80,6 @@ Run:
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -115,7 +114,7 @@ class Args(SamplingArgs):
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (embedded world: 0.7); log-probs are computed at the same temperature."})
     # tools (tools.py): the model may call these functions mid-answer; only its own tokens are trained
     tools: str = field(default="", metadata={"help": "Comma-separated file.py:function tools (type hints + a docstring give the schema the chat template shows; the file is executed here, each call runs in sandbox.py). Needs conversational prompts."})
-    max_tool_calling_iterations: Optional[int] = field(default=None, metadata={"help": "Tool turns per completion at most (None: until a turn makes no call or --max_completion_length, which counts the tool tokens too, is reached)."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool turns per completion at most (None: until a turn makes no call or --max_completion_length, which counts the tool tokens too, is reached)."})
     # algorithm
     beta: float = field(default=0.04, metadata={"help": "Weight of the k3 KL to the reference; 0 never loads the reference model."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range: the ratio is clipped below at 1 - epsilon."})

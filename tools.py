@@ -61,7 +61,10 @@ class Tool:
 def load_tools(spec):
     """`--tools file.py:fn[,file.py:fn2]` -> [Tool]. Executes each file in this process."""
     from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+    from transformers.utils.chat_template_utils import (
+        DocstringParsingException,
+        TypeHintParsingException,
+    )
 
     tools = []
     for item in [s for s in spec.split(",") if s]:
@@ -150,7 +153,7 @@ def execute(calls, tools, timeout=None):
             replies[i] = (name, result.output.split(MARK, 1)[1], False)
         else:  # the file or the call raised (the sandbox appends the exception), or the process died
             why = result.output.strip().splitlines()[-1] if result.output.strip() else result.status
-            replies[i] = (name, f"error: {why.removeprefix('test: ')}", True)
+            replies[i] = (name, f"error: {why.removeprefix('test: ').removeprefix('code: ')}", True)
     return replies
 
 

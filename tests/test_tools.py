@@ -217,7 +217,7 @@ def test_max_tool_calling_iterations(qwen, tool_list, monkeypatch):
 def test_logprobs_in_two_call_exchange_equal_a_plain_forward(qwen, tool_list, monkeypatch):
     """Rows 0 and 2 make two calls, rows 1 and 3 one: completion_logprobs over the multi-turn
     completion (shared-prompt cache) equals a log-softmax of one forward over prompt + completion."""
-    model, tok, ids, mask, out = two_call_rollout(qwen, tool_list, monkeypatch)
+    model, _, ids, mask, out = two_call_rollout(qwen, tool_list, monkeypatch)
     assert out.calls == 6 and [m["content"] for m in out.messages[0] if m["role"] == "tool"] == ["5", "9"]
     lp = sampling.completion_logprobs(model, ids, mask, out.completion_ids, out.attention_mask)
     for i in range(4):
@@ -233,7 +233,7 @@ def test_logprobs_in_two_call_exchange_equal_a_plain_forward(qwen, tool_list, mo
 def test_tool_tokens_receive_no_gradient(qwen, tool_list, monkeypatch):
     import grpo
 
-    model, tok, ids, mask, out = two_call_rollout(qwen, tool_list, monkeypatch)
+    model, _, ids, mask, out = two_call_rollout(qwen, tool_list, monkeypatch)
     logprobs = sampling.completion_logprobs(model, ids, mask, out.completion_ids, out.attention_mask).detach()
     logprobs.requires_grad_(True)
     args = types.SimpleNamespace(**{**vars(grpo.Args()), "loss_type": "grpo"})
@@ -251,8 +251,9 @@ def test_grpo_with_tools_end_to_end(qwen, tmp_path, monkeypatch):
     """grpo.main() on the Qwen2.5-shaped fixture: half the samples call `add` (one of them a
     failing call), the tools answer in the sandbox, the rewards receive the exchange as messages,
     the metrics count the calls, and the update trains (loss and KL finite)."""
-    import grpo
     from conftest import run_main
+
+    import grpo
 
     (tmp_path / "calc.py").write_text(TOOLS_FILE)
     (tmp_path / "r.py").write_text(
@@ -346,8 +347,9 @@ def tools_on_two_ranks(tmp):
 
 
 def test_tools_need_conversational_prompts(tmp_path, tiny_qwen, monkeypatch):
-    import grpo
     from conftest import run_main
+
+    import grpo
 
     (tmp_path / "calc.py").write_text(TOOLS_FILE)
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n")
