@@ -185,13 +185,15 @@ def check_readable(tokenizer, texts, model, spec, rows=16):
              "tokenizer reads it (the default runs/sft is the embedded world's policy, which knows only the world's words).")
 
 
-def render_prompt(tokenizer, prompt):
-    """Prompt text: plain strings as they are; conversations through the chat template."""
+def render_prompt(tokenizer, prompt, tools=None):
+    """Prompt text: plain strings as they are; conversations through the chat template (with
+    `tools`, JSON schemas of functions the model may call: grpo.py --tools, tools.py)."""
     if isinstance(prompt, str):
         return prompt
     if not tokenizer.chat_template:
         basics.fail("conversational data needs a tokenizer with a chat template; this one has none.")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **basics.CHAT_TEMPLATE_KWARGS)
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, tools=tools,
+                                         **basics.CHAT_TEMPLATE_KWARGS)
 
 
 def render_completion(tokenizer, prompt, completion):

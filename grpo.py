@@ -31,6 +31,14 @@ Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normal
              (MiniMax-M1 technical report, 2025: the IS weight is clipped, never the token's
              gradient; no lower bound, as in the paper)
 
+Tools (`--tools file.py:fn`, TRL's `tools=`; tools.py): a completion y is then a multi-turn
+exchange, the model's turns interleaved with tool replies that the chat template renders as tool
+turns. Let m_t = 1 on the model's own tokens (each turn and its end-of-turn token) and 0 on the
+tools' replies and the template's glue between turns (completion_mask). Log-probs are those of
+the full context, logp_t = log pi(y_t | x, y_<t) with y_<t holding the replies, and every sum
+over t above runs over tokens with m_t = 1 only (|y_i| = sum_t m_t): the tools' tokens are read,
+never trained on, never in the KL, the entropy or the token counts.
+
 Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
 default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
 the execution verifiers (`--reward_fn exec_tests`, `exec_tests_strict`: the completion's code run
@@ -87,6 +95,7 @@ import lora
 import memory
 import parallel
 import sampling
+import tools
 import tracking
 from common import SamplingArgs
 
@@ -108,6 +117,9 @@ class Args(SamplingArgs):
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt (at least 2)."})
     max_completion_length: int = field(default=256, metadata={"help": "Completions stop at a stop token or this many tokens (embedded world: 32)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (embedded world: 0.7); log-probs are computed at the same temperature."})
+    # tools (tools.py): the model may call these functions mid-answer; only its own tokens are trained
+    tools: str = field(default="", metadata={"help": "Comma-separated file.py:function tools (type hints + a docstring give the schema the chat template shows; the file is executed here, each call runs in sandbox.py). Needs conversational prompts."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool turns per completion at most (None: until a turn makes no call or --max_completion_length, which counts the tool tokens too, is reached)."})
     # algorithm
     beta: float = field(default=0.04, metadata={"help": "Weight of the k3 KL to the reference; 0 never loads the reference model."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range: the ratio is clipped below at 1 - epsilon."})
@@ -260,12 +272,14 @@ def load_rewards(args):
 
 
 @torch.no_grad()
-def score(rewards, prompts, texts, completion_ids, columns, args, group_size=1, step=0, logs=None):
+def score(rewards, prompts, texts, completion_ids, columns, args, group_size=1, step=0, logs=None, completions=None):
     """Rewards of each source for N completions in groups of G: (N, K), NaN where a reward
     function returned None. `prompts` are the dataset's prompts (text or conversations), `texts`
     the decoded completions, `completion_ids` their token ids, `columns` the other dataset columns,
-    `logs` what the functions log (log_metric, log_extra)."""
-    completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
+    `logs` what the functions log (log_metric, log_extra); `completions`: the messages of a
+    tool-using exchange (assistant and tool turns) instead of the texts."""
+    if completions is None:
+        completions = sampling.reward_completions(prompts, texts)  # TRL's form: text, or an assistant message
     # the reward functions first, all in one call (async ones run concurrently), as load_rewards orders them
     fns = [r["fn"] for r in rewards if "fn" in r]
     out = [common.call_reward_fns(fns, prompts, completions, completion_ids, columns, group_size, step, args.max_steps,
@@ -316,6 +330,8 @@ def main():
         common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
     if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
         common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        common.fail(f"--max_tool_calling_iterations {args.max_tool_calling_iterations}: must be >= 0 (or unset: no limit).")
     if args.save_steps and args.save_steps % args.num_iterations:
         common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
                     "so a checkpoint never falls inside a rollout's reuse.")
@@ -339,6 +355,12 @@ def main():
     data.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
     data.check_text(ds, ["prompt"], args.dataset)
     extra_columns = [c for c in ds.column_names if c != "prompt"]
+    # --tools: functions the model may call; their JSON schemas go to the chat template with every prompt
+    tool_list = tools.load_tools(args.tools) if args.tools else []
+    schemas = [t.schema for t in tool_list] or None
+    if tool_list and not all(data.is_conversational(p) for p in ds["prompt"]):
+        common.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(args.dataset)}: "
+                    "tool turns are rendered by the chat template.")
     eval_ds = data.eval_data(args)
     if eval_ds is not None:
         data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
@@ -358,7 +380,7 @@ def main():
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
-    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]  # what the policy sees
+    prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
     truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
@@ -390,10 +412,26 @@ def main():
                 prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (B, P)
                 # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
                 # here and in every log-prob pass below (sampling.completion_logprobs shares it)
-                completion_ids, completion_mask, truncated = sampling.generate(
-                    model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                    num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
-                texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
+                completions = None  # TRL's conversational form of a tool-using exchange, for the rewards
+                if not tool_list:
+                    completion_ids, completion_mask, truncated = sampling.generate(
+                        model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
+                        num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
+                    attention_mask = completion_mask  # every completion token is the model's
+                    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
+                else:
+                    # turns of the model and replies of the tools (tools.py): the model reads all of them
+                    # (attention_mask) and is trained on its own tokens only (completion_mask = 0 on tool
+                    # replies and on the template's glue between turns)
+                    rollout = tools.generate_with_tools(
+                        model, tokenizer, prompt_ids, prompt_mask, [raw_prompts[i] for i in idx], tool_list,
+                        args.max_tool_calling_iterations, args.max_completion_length, args.temperature, G,
+                        **common.sampling_kwargs(args, step, micro))
+                    completion_ids, attention_mask, completion_mask, truncated, completions = (
+                        rollout.completion_ids, rollout.attention_mask, rollout.completion_mask, rollout.truncated,
+                        rollout.messages)
+                    texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(completion_ids, attention_mask)]
+                    tool_calls = torch.tensor([rollout.calls, rollout.failures], dtype=torch.float)
                 truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
 
                 # 2. score every completion with every reward source, then the weighted sum
@@ -401,8 +439,8 @@ def main():
                 columns = {c: [v[i] for i in group] for c, v in column_values.items()}
                 reward_logs = {"metrics": {}, "extra": {}}  # what the reward functions log_metric / log_extra
                 rewards_per_source = score(rewards, [raw_prompts[i] for i in group], texts,
-                                           sampling.completion_id_lists(completion_ids, completion_mask), columns, args,
-                                           G, step, reward_logs)  # (N, K), NaN where a function returned None
+                                           sampling.completion_id_lists(completion_ids, attention_mask), columns, args,
+                                           G, step, reward_logs, completions)  # (N, K), NaN where a function returned None
                 reward = common.weighted_rewards(rewards_per_source, weights)  # (N,): sum over the rewards that apply
                 unscorable = reward.isnan()  # no reward function applied: left out of the baseline, A = 0 (TRL)
                 if unscorable.any():
@@ -422,6 +460,9 @@ def main():
                     "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
                     "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
                 })
+                if tool_list:  # calls per completion, and the share of calls that failed (their reply is an error)
+                    rollout_metrics[-1].update({"tools/call_frequency": tool_calls[0] / len(texts),
+                                                "tools/failure_frequency": tool_calls[1] / tool_calls[0].clamp(min=1)})
                 samples.append([group, texts, rewards_per_source, reward, reward_logs["extra"]])  # the advantages join below
                 if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
                     completion_mask = completion_mask * (~truncated[:, None]).long()
@@ -431,9 +472,9 @@ def main():
                 if ref_model is not None:
                     with torch.no_grad(), lora.adapters_off(ref_model):
                         ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
-                                                                  completion_mask, args.temperature)
+                                                                  attention_mask, args.temperature)
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                                "completion_mask": completion_mask, "reward": reward,
+                                "attention_mask": attention_mask, "completion_mask": completion_mask, "reward": reward,
                                 "ref_logprobs": ref_logprobs, "old_logprobs": None})
             # 4. group-relative advantages (groups with equal rewards carry no signal) and the loss's
             # normalisers, over the whole optimizer batch: every micro-batch, every rank
@@ -447,8 +488,11 @@ def main():
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
         for mb in batches:
+            # log pi(y_t | x, y_<t) at every position after the prompt, in the full multi-turn context (tool
+            # replies included); grpo_loss, the KL, the entropy and the token counts then weigh each position
+            # by completion_mask, which is 0 on the tools' tokens: those get no gradient and count nowhere
             logprobs, entropy = sampling.completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                                             mb["completion_mask"], args.temperature, with_entropy=True)
+                                                             mb["attention_mask"], args.temperature, with_entropy=True)
             # the rollout's first update runs on the weights that sampled it, so pi_old == pi here: the
             # ratio is exactly 1 with pi's gradient, and no extra forward pass is needed for pi_old;
             # later updates of the same rollout (--num_iterations > 1) reuse these log-probs

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import test_tools
 from conftest import ROOT
 from safetensors.torch import load_file
 
@@ -226,6 +227,7 @@ def _ranks(tmp, tiny_qwen):
     _metrics_with_different_keys(tmp)
     _grpo_normalisers_over_ranks(tmp)
     _bf16_ranks(tmp, tiny_qwen)
+    test_tools.tools_on_two_ranks(tmp)  # grpo --tools: multi-turn samples, as one rank draws them
 
 
 def _bf16_ranks(tmp, tiny_qwen):
@@ -294,7 +296,8 @@ def _bf16_ranks(tmp, tiny_qwen):
 def test_two_gloo_ranks_in_process(tmp_path, tiny_qwen):
     """Metrics with different keys per rank; GRPO's normalisers over ranks; bf16 replicas stay
     bit-identical (DDP with both optimizers, FSDP2's replicated parameters); FSDP2 in bf16
-    resumes bit-for-bit."""
+    resumes bit-for-bit; tool-using rollouts (tools.py) sample what one rank samples."""
+    test_tools.prepare_two_ranks(tmp_path)
     _spawn(_ranks, str(tmp_path), tiny_qwen)
 
 
