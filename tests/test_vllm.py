@@ -218,3 +218,23 @@ def test_grpo_use_vllm_end_to_end_with_a_bf16_engine(tiny_qwen, tmp_path, monkey
         assert r["sampling/importance_sampling_ratio/max"] <= 1.01 + 1e-6  # and the correction bounds it
         assert r["sampling/kl"] >= 0 and r["vllm/sync_seconds"] >= 0
     assert (out / "summary.json").exists()
+
+
+@needs_vllm
+def test_dpo_online_use_vllm_end_to_end(tiny_qwen, tmp_path, monkeypatch):
+    """dpo.py --online --use_vllm through main(): pairs sampled by the engine, weights synced every step."""
+    import dpo
+
+    out = tmp_path / "dpo"
+    run_main(dpo, ["--model", tiny_qwen, "--online", "--use_vllm", "--max_steps", "2", "--batch_size", "4",
+                   "--max_new_tokens", "8", "--optim", "adamw", "--output_dir", str(out)], monkeypatch)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 2 and all(r["vllm/sync_seconds"] >= 0 for r in rows)
+
+
+def test_ppo_refuses_use_vllm(tiny_qwen, tmp_path, monkeypatch, capsys):
+    import ppo
+    from conftest import main_error
+
+    message = main_error(ppo, ["--model", tiny_qwen, "--use_vllm", "--output_dir", str(tmp_path / "p")], monkeypatch, capsys)
+    assert "ppo.py does not sample with vLLM yet" in message
