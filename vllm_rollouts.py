@@ -21,7 +21,7 @@ Seeds: every completion is its own request with its own seed, derived from the r
 requests again, and rank r's requests are those a single process gives to rank r's rows.
 The samples are not those of sampling.generate (another random stream), and whether N ranks
 sample exactly what one rank would depends on the engine's numerics being independent of the
-batch it runs (true on the CPU build in fp32, not promised on a GPU).
+batch it runs, which vLLM does not promise (not tested here yet).
 """
 
 import os
@@ -66,6 +66,8 @@ def start_engine(model, tokenizer, args, max_model_len):
     from vllm import LLM
 
     inner = sampling.transformers_model(model)
+    # prompt + completion, within the model's context (vLLM refuses a longer max_model_len)
+    max_model_len = min(max_model_len, getattr(inner.config, "max_position_embeddings", None) or max_model_len)
     dtype = args.vllm_dtype or str(next(inner.parameters()).dtype).removeprefix("torch.")
     with tempfile.TemporaryDirectory() as folder:
         inner.config.save_pretrained(folder)
