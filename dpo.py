@@ -64,6 +64,7 @@ import memory
 import parallel
 import sampling
 import tracking
+import vllm_rollouts
 from common import SamplingArgs
 
 
@@ -200,7 +201,7 @@ def make_judge(args, world_data):
     return judge, None
 
 
-def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
+def sample_pairs(model, tokenizer, prompts, columns, judge, args, position, llm=None):
     """Two samples per prompt from the current policy, labelled by the judge.
 
     Returns the batch (prompt ids, completion ids with chosen first, masks) of the non-tied
@@ -211,9 +212,14 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position):
     prompt_ids, prompt_mask = data.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
     prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
     # rows 2i and 2i+1 are the two samples of prompt i
-    completion_ids, completion_mask, truncated = sampling.generate(
-        model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
-        num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
+    if llm is None:
+        completion_ids, completion_mask, truncated = sampling.generate(
+            model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
+            num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
+    else:  # --use_vllm: the same contract from the engine (its log-probs are not needed: DPO recomputes them)
+        completion_ids, completion_mask, truncated, _ = vllm_rollouts.generate(
+            llm, model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
+            num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
     texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
@@ -303,6 +309,10 @@ def main():
         common.fail(f"--{', --'.join(sampling_flags)} shape or show online samples; add --online.")
     if args.reward_model and args.reward_fn:
         common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
+    if args.use_vllm:
+        if not args.online:
+            common.fail("--use_vllm samples online pairs; add --online (offline DPO samples nothing).")
+        vllm_rollouts.check_args(args)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
@@ -359,6 +369,8 @@ def main():
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = tracking.MetricsLogger(args, start_step)
+    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
+    llm = vllm_rollouts.start_engine(model, tokenizer, args, args.max_prompt_length + args.max_new_tokens) if args.use_vllm else None
     # what training holds: one model with precompute on, two (policy + reference) otherwise
     separate_ref = ref_model is not None and ref_model is not model
     held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
@@ -372,6 +384,7 @@ def main():
     final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
         rows, num_tokens = [], 0
+        sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, model)} if llm is not None else {}
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
             idx = parallel.shard(data.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
@@ -381,7 +394,7 @@ def main():
             if args.online:
                 batch, stats, samples = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
                                                      {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args,
-                                                     (step, micro))
+                                                     (step, micro), llm)
                 truncated["completions_truncated"] += round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
                 if batch is None:  # every pair tied: nothing to learn from this micro-batch
                     rows.append(stats)
@@ -426,7 +439,7 @@ def main():
             metrics.update(tracking.mean_metrics([{k: r[k] for k in stats} for r in rows]))
             metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
         final = {f"final_{k}": float(metrics[k]) for k in ("loss", "rewards/accuracies", "rewards/margins") if k in metrics}
-        logger.update({**metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
+        logger.update({**metrics, **sync_metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
             if args.online and args.log_completions:
@@ -439,6 +452,7 @@ def main():
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
+    vllm_rollouts.shutdown(llm)  # before anything tears the process group down
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \

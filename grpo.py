@@ -61,6 +61,11 @@ Departures from the paper and from TRL:
   dividing by that group's std turns the noise into full-size advantages, and the policy chases
   it (the README's Results measure it on the embedded world). A verifier's tied rewards give
   std 0 and A = 0 instead.
+- `--use_vllm` samples with a vLLM engine (vllm_rollouts.py) whose log-probs differ from the
+  trainer's by its numerics (bf16 kernels, say). pi_old stays the trainer's (as in TRL), and
+  each token's loss is weighted by TRL's truncated or masked importance ratio pi_old / pi_vLLM
+  (`importance_sampling_weights`; on by default, as in TRL). --eval_dataset and the final gold
+  score still sample with the project's sampler.
 - `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
   reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
 - Defaults: TRL's for a pretrained model (lr 1e-6, temperature 1.0, 256-token completions,
@@ -79,6 +84,7 @@ Run:
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
     python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
+    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
     python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
@@ -97,6 +103,7 @@ import parallel
 import sampling
 import tools
 import tracking
+import vllm_rollouts
 from common import SamplingArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0
@@ -129,6 +136,9 @@ class Args(SamplingArgs):
     loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the optimizer batch) | bnpo (token mean over each micro-batch) | cispo (clipped IS weight times log-prob, MiniMax-M1)."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one ratio per completion, the geometric mean of its token ratios (GSPO, Zheng et al. 2025)."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, batch with a --reward_model, else group."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With --use_vllm: weight each token's loss by the truncated (or masked) importance ratio pi_train / pi_vLLM of the sampled tokens (TRL's TIS; see importance_sampling_weights)."})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "token_truncate | token_mask | sequence_truncate | sequence_mask: one ratio per token or per completion, clipped at the cap or zeroed above it (TRL's modes and default)."})
+    vllm_importance_sampling_cap: float = field(default=3.0, metadata={"help": "C of --vllm_importance_sampling_mode (TRL's default)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
     # optimisation
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
@@ -180,14 +190,50 @@ def batch_normalisers(completion_masks):
     return num_sequences, num_tokens.clamp(min=1 / parallel.world_size())
 
 
+# ============================================================================ the sampler-trainer gap (--use_vllm)
+def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask, mode, cap):
+    """TRL's correction for a sampler whose numerics differ from the trainer's (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"): the tokens were
+    drawn from pi_vLLM, the loss assumes pi_old, so each token's loss is weighted by
+
+        rho_t = pi_old(y_t) / pi_vLLM(y_t) = exp(old_logp_t - vllm_logp_t)        (token_*)
+        rho_i = exp( sum_t (old_logp_t - vllm_logp_t) ), for every token of y_i   (sequence_*)
+        w = min(rho, C)  (*_truncate, truncated IS)      w = rho if rho <= C else 0  (*_mask)
+
+    (N, C) log-probs and mask -> (N, C) or (N, 1) weights, without gradient."""
+    log_rho = (old_logprobs - sampling_logprobs) * completion_mask  # (N, C)
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True)  # (N, 1)
+    rho = torch.exp(log_rho)
+    return torch.clamp(rho, max=cap) if mode.endswith("truncate") else rho.masked_fill(rho > cap, 0.0)
+
+
+def sampling_gap_metrics(old_logprobs, sampling_logprobs, completion_mask, weights):
+    """How far the sampler's log-probs are from the trainer's on the sampled tokens, under TRL's
+    names: |old_logp - vllm_logp| mean and max, the IS weights' min/mean/max, and the per-token
+    k3 estimate of KL(pi_vLLM || pi_old) on pi_vLLM's samples (no TRL name: `sampling/kl`)."""
+    keep = completion_mask.bool()
+    delta = (old_logprobs - sampling_logprobs)[keep]  # (T,) log rho of every real token
+    flat = weights.flatten() if weights.shape[1] == 1 else weights[keep]
+    empty = torch.zeros(1, device=delta.device)
+    delta, flat = (delta, flat) if delta.numel() else (empty, empty)
+    return {"sampling/sampling_logp_difference/mean": delta.abs().mean(),
+            "sampling/sampling_logp_difference/max": delta.abs().max(),
+            "sampling/kl": (torch.exp(delta) - delta - 1).mean(),  # k3 with r = pi_old / pi_vLLM
+            "sampling/importance_sampling_ratio/min": flat.min(),
+            "sampling/importance_sampling_ratio/mean": flat.mean(),
+            "sampling/importance_sampling_ratio/max": flat.max()}
+
+
 # ============================================================================ loss
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, args,
-              num_sequences=None, num_tokens=None):
+              num_sequences=None, num_tokens=None, is_weights=None):
     """The GRPO objective (module docstring) for a micro-batch, and its metrics.
 
     logprobs, old_logprobs, ref_logprobs (None when beta == 0), completion_mask: (N, C);
     advantages: (N,). `num_sequences` / `num_tokens` are the normalisers of the whole
     optimizer batch (default: this micro-batch), so gradient accumulation sums exactly.
+    `is_weights`: --use_vllm's importance-sampling weights, (N, C) or (N, 1), or None.
     """
     mask = completion_mask.float()
     num_sequences = num_sequences or mask.shape[0]
@@ -211,6 +257,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
         if args.dual_clip_c:
             surrogate = torch.where(adv < 0, torch.max(surrogate, args.dual_clip_c * adv), surrogate)
         per_token_loss = -surrogate  # (N, C)
+    if is_weights is not None:  # samples from vLLM: l_t * w_t (importance_sampling_weights), as TRL, before the KL
+        per_token_loss = per_token_loss * is_weights
 
     # k3 estimator of KL(pi || pi_ref), unbiased and >= 0 (DeepSeekMath Eq. 4; Schulman 2020)
     kl = None
@@ -320,6 +368,13 @@ def main():
     common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
     common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
     common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
+    common.check_choice("--vllm_importance_sampling_mode", args.vllm_importance_sampling_mode,
+                        ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+    if args.use_vllm:
+        vllm_rollouts.check_args(args)
+        if args.tools:
+            common.fail("--tools samples with the project's own decoding loop (tools.py); --use_vllm does not run tool "
+                        "calls: drop one of the two.")
     if args.scale_rewards == "auto":
         # a reward model's within-group noise must not be scaled up to full-size advantages (docstring)
         args.scale_rewards = "none" if args.loss_type == "dr_grpo" else "batch" if args.reward_model else "group"
@@ -394,6 +449,9 @@ def main():
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = tracking.MetricsLogger(args, start_step)
+    sync_metrics = {}  # --use_vllm: the last weight sync's time
+    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
+    llm = vllm_rollouts.start_engine(model, tokenizer, args, args.max_prompt_length + args.max_completion_length) if args.use_vllm else None
 
     # ---- loop
     start = time.time()
@@ -403,6 +461,8 @@ def main():
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
         if step % args.num_iterations == 0:
             batches, rollout_metrics, samples = [], [], []
+            if llm is not None:  # the engine samples with the weights of the last optimizer step
+                sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, model)}
             for micro in range(args.gradient_accumulation_steps):
                 # this rank's prompts of the global batch; the step is the position in the data
                 idx = parallel.shard(data.batch_indices(
@@ -413,13 +473,8 @@ def main():
                 # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
                 # here and in every log-prob pass below (sampling.completion_logprobs shares it)
                 completions = None  # TRL's conversational form of a tool-using exchange, for the rewards
-                if not tool_list:
-                    completion_ids, completion_mask, truncated = sampling.generate(
-                        model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                        num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
-                    attention_mask = completion_mask  # every completion token is the model's
-                    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
-                else:
+                sampling_logprobs = None  # the sampler's own log-probs, when vLLM sampled (--use_vllm)
+                if tool_list:
                     # turns of the model and replies of the tools (tools.py): the model reads all of them
                     # (attention_mask) and is trained on its own tokens only (completion_mask = 0 on tool
                     # replies and on the template's glue between turns)
@@ -432,6 +487,17 @@ def main():
                         rollout.messages)
                     texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(completion_ids, attention_mask)]
                     tool_calls = torch.tensor([rollout.calls, rollout.failures], dtype=torch.float)
+                else:
+                    if llm is None:
+                        completion_ids, completion_mask, truncated = sampling.generate(
+                            model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
+                            num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
+                    else:  # the same contract, plus the engine's log-probs of its samples (B*G, C)
+                        completion_ids, completion_mask, truncated, sampling_logprobs = vllm_rollouts.generate(
+                            llm, model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
+                            num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
+                    attention_mask = completion_mask  # every completion token is the model's
+                    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
                 truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
 
                 # 2. score every completion with every reward source, then the weighted sum
@@ -475,7 +541,8 @@ def main():
                                                                   attention_mask, args.temperature)
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                                 "attention_mask": attention_mask, "completion_mask": completion_mask, "reward": reward,
-                                "ref_logprobs": ref_logprobs, "old_logprobs": None})
+                                "ref_logprobs": ref_logprobs, "old_logprobs": None,
+                                "sampling_logprobs": sampling_logprobs, "is_weights": None, "gap": {}})
             # 4. group-relative advantages (groups with equal rewards carry no signal) and the loss's
             # normalisers, over the whole optimizer batch: every micro-batch, every rank
             advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards)
@@ -498,13 +565,20 @@ def main():
             # later updates of the same rollout (--num_iterations > 1) reuse these log-probs
             if mb["old_logprobs"] is None:
                 mb["old_logprobs"] = logprobs.detach()
+                # --use_vllm: the trainer's log-probs (pi_old, also with --num_iterations > 1, as in TRL)
+                # against the engine's, and the importance weights that correct for the gap
+                if mb["sampling_logprobs"] is not None:
+                    weights = importance_sampling_weights(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
+                                                          args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+                    mb["gap"] = sampling_gap_metrics(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"], weights)
+                    mb["is_weights"] = weights if args.vllm_importance_sampling_correction else None
             loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
-                                      mb["completion_mask"], args, num_sequences, num_tokens)
+                                      mb["completion_mask"], args, num_sequences, num_tokens, mb["is_weights"])
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
             if loss.requires_grad:  # False only when every completion is masked (all truncated)
                 loss.backward()
             mask = mb["completion_mask"].float()
-            metrics.update(loss=loss.detach(), entropy=(entropy * mask).sum() / mask.sum().clamp(min=1))
+            metrics.update(loss=loss.detach(), entropy=(entropy * mask).sum() / mask.sum().clamp(min=1), **mb["gap"])
             step_metrics.append(metrics)
             del logprobs, entropy, loss
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
@@ -515,7 +589,7 @@ def main():
         # ---- log (means over the --logging_steps window), evaluate and save
         metrics = tracking.mean_metrics(step_metrics)
         metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
-        logger.update({**tracking.mean_metrics(rollout_metrics), **metrics, "grad_norm": grad_norm},
+        logger.update({**tracking.mean_metrics(rollout_metrics), **metrics, **sync_metrics, "grad_norm": grad_norm},
                       num_tokens=rollout_tokens)  # prompt + completion tokens trained on in this step
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
@@ -531,6 +605,7 @@ def main():
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
+    vllm_rollouts.shutdown(llm)  # before anything tears the process group down
 
     # ---- final save and evaluation
     logger.close()

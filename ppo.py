@@ -337,6 +337,8 @@ def main():
     if args.offload_frozen and args.use_peft:
         common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
                     "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
+    if args.use_vllm:
+        common.fail("--use_vllm: ppo.py does not sample with vLLM yet (grpo.py and dpo.py --online do); drop the flag.")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()

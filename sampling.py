@@ -308,19 +308,27 @@ def noise_key(seed, step, row):
 
 def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetition_penalty=1.0, seen=None,
                 noise=None):
-    """One token per row from next-token logits (B, V): greedy, or sampled at `temperature`
-    from the top-k tokens, the smallest set whose probability reaches top_p, and the tokens at
-    least min_p times as probable as the most probable one (Nguyen et al. 2024). First, the
-    repetition penalty (Keskar et al. 2019, as HF applies it): the logit of every token in
-    `seen` (B, V) is divided by the penalty where positive, multiplied where negative.
+    """One token per row from next-token logits (B, V): greedy (after the repetition penalty, as
+    in HF), or sampled from `processed_logits`.
 
     Sampling is an exponential race: with E_v = -log U_v, U_v ~ Uniform(0, 1) the `noise`
     (B, V), argmax_v p_v / E_v is token v with probability p_v (the E_v / p_v are independent
     Exp(p_v) times; the first to finish wins), so the sample is a function of the noise."""
+    if not do_sample:
+        return processed_logits(logits, 1.0, repetition_penalty=repetition_penalty, seen=seen).argmax(-1)
+    logits = processed_logits(logits, temperature, top_p, top_k, min_p, repetition_penalty, seen)
+    noise = torch.rand_like(logits) if noise is None else noise
+    return (logits.softmax(-1) / -torch.log(noise)).argmax(-1)
+
+
+def processed_logits(logits, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seen=None):
+    """The logits (B, V) a token is sampled from, -inf where a filter drops it: first the
+    repetition penalty (Keskar et al. 2019, as HF applies it: the logit of every token in `seen`
+    (B, V) is divided by the penalty where positive, multiplied where negative), then the
+    temperature, then the top-k tokens, the smallest set whose probability reaches top_p, and the
+    tokens at least min_p times as probable as the most probable one (Nguyen et al. 2024)."""
     if seen is not None:
         logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
-    if not do_sample:
-        return logits.argmax(-1)
     logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, -1).values[:, -1:]
@@ -333,8 +341,7 @@ def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetit
     if min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    noise = torch.rand_like(logits) if noise is None else noise
-    return (logits.softmax(-1) / -torch.log(noise)).argmax(-1)
+    return logits
 
 
 def reward_completions(prompts, texts):

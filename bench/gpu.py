@@ -25,6 +25,7 @@ Run:
     python bench/gpu.py                # on the GPU machine
     python bench/gpu.py --stages grpo_qlora_7b,dpo_qlora_7b   # QLoRA on the 7B shape
     python bench/gpu.py --tiny         # a 2-minute check of the whole path on the CPU
+    .venv-vllm/bin/python bench/gpu.py --stages grpo,grpo_vllm   # GRPO with and without vLLM rollouts
 """
 
 import argparse
@@ -48,7 +49,8 @@ QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
             max_position_embeddings=1024)
-TARGET_GB = {"dpo": 12, "grpo": 18, "ppo": 40, "grpo_qlora_7b": 16, "dpo_qlora_7b": 16}  # peak-memory targets on the GPU
+TARGET_GB = {"dpo": 12, "grpo": 18, "ppo": 40, "grpo_qlora_7b": 16, "dpo_qlora_7b": 16,  # peak-memory targets on the GPU
+             "grpo_vllm": 33}  # grpo's 18 + the engine's 0.1 of an H200's 141 GB (a guess until measured)
 QLORA = dict(use_peft=True, load_in_4bit=True)
 
 # per stage: flags beyond --model/--dataset/--max_steps/--output_dir, and how many sequences
@@ -60,6 +62,11 @@ STAGES = {
                  sequences=lambda f: f["batch_size"] * f["num_generations"]),
     "ppo": dict(flags=dict(batch_size=8, num_mini_batches=2, num_ppo_epochs=2, gradient_checkpointing=True, learning_rate=1e-6),
                 sequences=lambda f: f["batch_size"] * f["num_mini_batches"]),  # the rollout batch
+    # GRPO sampling with vLLM (--use_vllm, colocate): run in .venv-vllm (`make vllm-env`), e.g.
+    # `.venv-vllm/bin/python bench/gpu.py --stages grpo,grpo_vllm`; peak and step time beside plain grpo's
+    "grpo_vllm": dict(script="grpo", flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True, beta=0.04,
+                                                learning_rate=1e-6, use_vllm=True, vllm_gpu_memory_utilization=0.1),
+                      sequences=lambda f: f["batch_size"] * f["num_generations"]),
     # QLoRA on the 7B shape: a 4-bit base, LoRA r=16 adapters, the reference is the base with adapters off
     "grpo_qlora_7b": dict(script="grpo", shape=QWEN25_7B,
                           flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True, beta=0.04,
