@@ -175,7 +175,7 @@ def test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo(tiny_qwen, sft_data, pr
     common_flags = ["--model", tiny_qwen, "--use_peft", "--load_in_4bit", "--max_steps", "2", "--learning_rate", "1e-2",
                     "--batch_size", "2", "--optim", "adamw"]
     runs = {"sft": (sft, ["--dataset", sft_data]),
-            "dpo": (dpo, ["--dataset", pref_data, "--no_precompute_ref_logps"]),
+            "dpo": (dpo, ["--dataset", pref_data, "--no_precompute_ref_logps", "--max_steps", "3"]),
             "grpo": (grpo, ["--dataset", str(prompts), "--reward_fn", f"{rewards}:length", "--num_generations", "2",
                             "--max_completion_length", "4"])}
     for name, (module, flags) in runs.items():
@@ -188,9 +188,10 @@ def test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo(tiny_qwen, sft_data, pr
         assert {p.dtype for p in merged.parameters()} == {torch.float32}, name  # merged into the unquantised base
         assert json.load(open(out / "memory.json"))["components"]["policy weights"] > 0
     # dpo's live reference (--no_precompute_ref_logps) is the base with the adapters off: once they
-    # moved (step 1), the step-2 loss leaves ln 2; with them on, pi / pi_ref == 1 and it stays ln 2
+    # moved (step 2; step 1's learning rate is 0, the warm-up's start), the implicit rewards beta * log pi/pi_ref leave 0; with the adapters on, the
+    # reference would be the policy and every margin 0
     rows = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl")]
-    assert abs(rows[-1]["loss"] - math.log(2)) > 1e-4, rows
+    assert rows[0]["rewards/margins"] == 0 and abs(rows[-1]["rewards/margins"]) > 1e-6, rows
 
 
 def test_resume_with_adapters_ends_where_the_uninterrupted_run_ends(tiny_qwen, sft_data, tmp_path, monkeypatch):
