@@ -169,6 +169,12 @@ MUTANTS = [
            "reward = rewards_per_source.sum(1)  # (N,)",
            [T + "test_grpo.py::test_grpo_any_model_with_user_reward_and_reward_model"],
            note="reward contract (weights): recheck after the call_reward_fn rewrite"),
+    Mutant("common_reward_count_unchecked", "common.py",
+           "if len(rewards) != len(completions):",
+           "if False:",
+           [T + "test_common.py::test_reward_fn_from_file_gets_extra_columns"],
+           note="reward contract (lengths): refresh after the call_reward_fn rewrite (this line will move)"),
+    # ---------------------------------------------------------------- dpo.py
     Mutant("dpo_sigmoid_sign", "dpo.py",
            "losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)",
            "losses = -(1 - eps) * F.logsigmoid(-beta * logits) - eps * F.logsigmoid(beta * logits)",
