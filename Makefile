@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-rlvr demo-code test test-lower-bounds vllm-env test-vllm clean
+.PHONY: install demo demo-rlvr demo-code test test-lower-bounds vllm-env test-vllm mutants clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -47,6 +47,13 @@ demo-code: install
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests
+
+# The suite proves itself: one-line mistakes in equations, masks, references, stop rules, the
+# bootstrap, guards and checkpoints (tests/mutants.py), each applied to a temporary copy with the
+# tests that must fail. Not part of `make test`; run it whenever an algorithm file changes (the
+# README's "Tests" gives its time and score). Fails on a survivor or a stale entry.
+mutants:
+	OMP_NUM_THREADS=1 $(PYTHON) tests/mutants.py
 
 # The declared lower bounds, proven: a fresh virtualenv with every requirement at exactly its
 # lower bound (requirements.txt's >= read as ==), then the whole test suite in it. Not part of

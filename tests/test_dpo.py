@@ -118,6 +118,11 @@ def test_precomputed_and_live_reference_give_the_same_loss(loss_type):
         live = dpo.dpo_loss(chosen_logps, rejected_logps, *dpo.pair_logps(ref_model, batch, loss_type), 0.1, loss_type)[0]
     torch.testing.assert_close(precomputed, live, atol=1e-5, rtol=1e-5)
     assert abs(precomputed.mean().item() - (math.log(2) if loss_type == "sigmoid" else 25.0)) > 1e-3  # it moved
+    if loss_type == "ipo":  # IPO reads per-token means of the log-probs, the sigmoid loss their sums
+        sums = dpo.pair_logps(model, batch, "sigmoid")
+        lengths = batch["completion_mask"].sum(1).view(2, -1)  # (2, B): chosen rows first, then rejected
+        torch.testing.assert_close(chosen_logps, sums[0] / lengths[0])
+        torch.testing.assert_close(rejected_logps, sums[1] / lengths[1])
 
 
 def test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses():

@@ -400,3 +400,42 @@ def test_help_imports_no_heavy_module():
     # --no_merge_adapters has its own help (HF's parser repeated --merge_adapters' "also writes the adapters merged")
     no_merge = out[out.index("  --no_merge_adapters"):]
     assert "writes only the" in no_merge[:300] and "also writes" not in no_merge[:300]
+
+
+def test_a_crash_while_saving_leaves_no_half_checkpoint(tmp_path, tiny_qwen, monkeypatch):
+    """A checkpoint is written to <folder>.tmp and renamed into place: a crash in the middle of a
+    save (here the tokenizer's save raises) leaves the earlier checkpoint of that name whole and no
+    half checkpoint under a new name. save_final moves the model into <output_dir> with
+    config.json last, so a crash during the moves never leaves a loadable half-model."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    class Crash(Exception):
+        pass
+
+    class CrashingTokenizer:
+        def save_pretrained(self, path):
+            raise Crash
+
+    args = SimpleNamespace(output_dir=str(tmp_path), save_total_limit=0)
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny_qwen), AutoTokenizer.from_pretrained(tiny_qwen)
+    checkpoints.save_checkpoint(model, tok, args, f"{tmp_path}/checkpoint-2")
+    whole = sorted(os.listdir(tmp_path / "checkpoint-2"))
+    assert {"config.json", "model.safetensors", "args.json", "tokenizer.json"} <= set(whole)
+    for step in (2, 4):  # a crash while overwriting checkpoint-2, and while writing a new checkpoint-4
+        with pytest.raises(Crash):
+            checkpoints.save_checkpoint(model, CrashingTokenizer(), args, f"{tmp_path}/checkpoint-{step}")
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == whole and not os.path.exists(tmp_path / "checkpoint-4")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2")  # still loads
+
+    moved, replace = [], os.replace
+
+    def recorded(src, dst):
+        moved.append(os.path.basename(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recorded)
+    checkpoints.save_final(model, tok, args)
+    assert moved[-1] == "config.json" and "model.safetensors" in moved
+    AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -175,7 +175,7 @@ def test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo(tiny_qwen, sft_data, pr
     common_flags = ["--model", tiny_qwen, "--use_peft", "--load_in_4bit", "--max_steps", "2", "--learning_rate", "1e-2",
                     "--batch_size", "2", "--optim", "adamw"]
     runs = {"sft": (sft, ["--dataset", sft_data]),
-            "dpo": (dpo, ["--dataset", pref_data, "--no_precompute_ref_logps"]),
+            "dpo": (dpo, ["--dataset", pref_data, "--no_precompute_ref_logps", "--max_steps", "3"]),
             "grpo": (grpo, ["--dataset", str(prompts), "--reward_fn", f"{rewards}:length", "--num_generations", "2",
                             "--max_completion_length", "4"])}
     for name, (module, flags) in runs.items():
@@ -187,6 +187,11 @@ def test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo(tiny_qwen, sft_data, pr
         merged = AutoModelForCausalLM.from_pretrained(out)
         assert {p.dtype for p in merged.parameters()} == {torch.float32}, name  # merged into the unquantised base
         assert json.load(open(out / "memory.json"))["components"]["policy weights"] > 0
+    # dpo's live reference (--no_precompute_ref_logps) is the base with the adapters off: once they
+    # moved (step 2; step 1's learning rate is 0, the warm-up's start), the implicit rewards beta * log pi/pi_ref leave 0; with the adapters on, the
+    # reference would be the policy and every margin 0
+    rows = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl")]
+    assert rows[0]["rewards/margins"] == 0 and abs(rows[-1]["rewards/margins"]) > 1e-6, rows
 
 
 def test_resume_with_adapters_ends_where_the_uninterrupted_run_ends(tiny_qwen, sft_data, tmp_path, monkeypatch):
@@ -290,3 +295,37 @@ def test_adding_adapters_prints_no_future_warning(tiny_qwen):
         warnings.simplefilter("always")
         common.load_model(tiny_qwen, _args(tiny_qwen), adapters=True)
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
+def test_grpo_main_takes_the_reference_with_the_adapters_off(tiny_qwen, tmp_path, monkeypatch):
+    """grpo.main with --use_peft: the reference pass runs inside lora.adapters_off, so once the
+    adapters have moved (step 1) the logged KL is > 0; with the adapters on, the reference would be
+    the policy and the KL silently 0 for the whole run. And every log-prob it takes (reference and
+    update) is at the sampling temperature, as the ratio and the KL need."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(4)))
+    temperatures, logprobs, turned_off = [], sampling.completion_logprobs, []
+    adapters_off = lora.adapters_off
+
+    def spy(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, **kw):
+        temperatures.append(temperature)
+        return logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, **kw)
+
+    def counted(model):
+        turned_off.append(lora.is_peft(model))
+        return adapters_off(model)
+
+    monkeypatch.setattr(sampling, "completion_logprobs", spy)
+    monkeypatch.setattr(lora, "adapters_off", counted)
+    out = tmp_path / "grpo"
+    _run(grpo, monkeypatch, "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{rewards}:length",
+         "--use_peft", "--learning_rate", "1e-2", "--max_steps", "3", "--batch_size", "2", "--num_generations", "4",
+         "--max_completion_length", "6", "--temperature", "0.8", "--optim", "adamw", "--output_dir", str(out))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # the adapters start at B = 0: the policy is the base
+    assert rows[-1]["kl"] > 1e-5, [r["kl"] for r in rows]
+    assert turned_off and all(turned_off)  # every reference pass switched a peft model's adapters off
+    assert set(temperatures) == {0.8}

@@ -253,3 +253,47 @@ def test_use_peft_starts_the_critic_where_full_training_does(tmp_path, tiny_qwen
         rows[bool(peft)] = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
     for key in ("reward", "value", "vf_loss"):
         assert rows[True][key] == pytest.approx(rows[False][key], abs=1e-4), key
+
+
+def test_masked_whiten_over_real_tokens():
+    """Advantages (and --whiten_rewards) are whitened over the real tokens only: padding neither
+    shifts the mean nor the variance; shift_mean=False keeps the mean (rewards keep their sign)."""
+    gen = torch.Generator().manual_seed(3)
+    x, mask = torch.randn(5, 6, generator=gen) * 3 + 2, random_mask(5, 6, gen)
+    x = x + (1 - mask) * 100  # garbage in the padding
+    real = x[mask.bool()]
+    expected = (real - real.mean()) / real.var(unbiased=False).sqrt()  # direct transcription
+    torch.testing.assert_close(ppo.masked_whiten(x, mask)[mask.bool()], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ppo.masked_whiten(x, mask, shift_mean=False)[mask.bool()], expected + real.mean(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_completion_without_eos_scores_minus_the_penalty(tmp_path, tiny_qwen, monkeypatch):
+    """ppo.main itself: every completion that reaches --max_completion_length without EOS gets the
+    score -missing_eos_penalty in place of the reward function's (5 here), so the logged reward is
+    5 * (1 - clipped) - 1 * clipped; every log-prob (rollout, reference, update) is taken at the
+    sampling temperature; and the reference is pi_ref, not the policy (the KL moves after an update)."""
+    from conftest import run_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(4)))
+    (tmp_path / "r.py").write_text("def five(prompts, completions, **kw):\n    return [5.0] * len(completions)\n")
+    temperatures, logprobs = [], sampling.completion_logprobs
+
+    def spy(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0, **kw):
+        temperatures.append(temperature)
+        return logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, **kw)
+
+    monkeypatch.setattr(sampling, "completion_logprobs", spy)
+    out = tmp_path / "ppo"
+    run_main(ppo, ["--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:five",
+                   "--max_steps", "2", "--batch_size", "4", "--num_mini_batches", "1", "--max_completion_length", "3",
+                   "--missing_eos_penalty", "1.0", "--temperature", "0.6", "--learning_rate", "1e-3", "--optim", "adamw",
+                   "--output_dir", str(out)], monkeypatch)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert any(r["completions/clipped_ratio"] > 0 for r in rows)  # a random policy rarely says EOS in 3 tokens
+    for r in rows:
+        clipped = r["completions/clipped_ratio"]
+        assert r["reward"] == pytest.approx(5 * (1 - clipped) - 1 * clipped, abs=1e-5)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-5) and abs(rows[1]["kl"]) > 1e-4
+    assert temperatures and set(temperatures) == {0.6}

@@ -219,3 +219,20 @@ def test_a_completion_ending_in_a_stop_token_gets_no_extra_eos():
     assert ids[0].tolist()[-2:] == [stop, tok.eos_token_id]
     ids, mask = data.encode_completions(tok, [" alice .<|end|>\n"], stop_ids=[stop])  # Qwen's "<|im_end|>\n"
     assert ids[0].tolist()[-2:] == [stop, tok.convert_tokens_to_ids("Ċ")] and mask.sum() == 4
+
+
+def test_a_generation_config_stop_token_ends_the_completion():
+    """generate stops at any of stop_token_ids: a token listed only in the model's generation
+    config (an end-of-turn such as <|eot_id|>) ends the completion, is kept in it, and is not a
+    truncation. (tests/test_architectures.py repeats this per architecture, against HF generate.)"""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost it .\nTL;DR:"])
+    c, cm, truncated = sampling.generate(model, tok, ids, mask, max_new_tokens=6, do_sample=False)
+    assert truncated.all()  # greedy random weights never say EOS here: only the new stop token can end a row
+    stop = c[0, 2].item()  # row 0's third greedy token
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    c, cm, truncated = sampling.generate(model, tok, ids, mask, max_new_tokens=6, do_sample=False)
+    n = int(cm[0].sum())
+    assert n <= 3 and c[0, n - 1] == stop and not truncated[0]
+    assert (c[0, n:] == tok.pad_token_id).all() and cm[0, n:].sum() == 0

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 from conftest import run_script
 
@@ -77,7 +78,6 @@ def test_sft_rejects_bad_input_with_a_clear_message(tmp_path, tiny_llama, monkey
 def test_two_micro_batches_train_like_one_of_twice_the_size(tmp_path, tiny_qwen, sft_data, monkeypatch):
     """Gradient accumulation: the loss is one token mean over the optimizer batch (TRL), not a mean of
     per-micro-batch means, so 2 micro-batches of 4 train like 1 of 8 (completions differ in length)."""
-    import pytest
     from conftest import run_main
     from safetensors.torch import load_file
 
@@ -95,3 +95,34 @@ def test_two_micro_batches_train_like_one_of_twice_the_size(tmp_path, tiny_qwen,
     wa, wb = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=0)
+
+
+def test_multi_turn_sft_trains_only_the_assistant_turns(tmp_path, tiny_llama, monkeypatch):
+    """sft.main on two-assistant-turn conversations: the mask the loss gets is the loss mask (the
+    user turn between the assistant turns is a hole of zeros), not the completion mask (ones up to
+    EOS), and the logged loss is the token mean over the assistant tokens only."""
+    import sft
+    from conftest import run_main
+
+    u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [u(f"alice bought the bike {i}"), a("alice bought bike ."),
+                                                     u("what did bob do ?"), a("bob lost phone .")]}) + "\n"
+                            for i in range(4)))
+    seen, loss = [], sft.sft_loss
+
+    def spy(logprobs, completion_mask, num_tokens):
+        seen.append((logprobs.detach(), completion_mask.detach().clone(), num_tokens))
+        return loss(logprobs, completion_mask, num_tokens)
+
+    monkeypatch.setattr(sft, "sft_loss", spy)
+    out = tmp_path / "sft"
+    run_main(sft, ["--model", tiny_llama, "--dataset", str(path), "--output_dir", str(out), "--max_steps", "1",
+                   "--batch_size", "4", "--optim", "adamw"], monkeypatch)
+    (logprobs, mask, num_tokens), = seen
+    for row in mask.tolist():  # 1s (assistant), a hole of 0s (the user turn), 1s again, then padding
+        n = max(i for i, m in enumerate(row) if m) + 1
+        assert 0 in row[:n] and row[0] == 1, row
+    assert int(mask.sum()) == int(num_tokens)  # the normaliser counts the trained tokens, as the mask does
+    logged = json.loads(open(out / "metrics.jsonl").readline())["loss"]
+    assert logged == pytest.approx(float(-(logprobs * mask).sum() / mask.sum()), rel=1e-5)

@@ -121,14 +121,16 @@ def test_gspo_bnpo_cispo_match_their_equations(loss_type, level):
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     # ratio 5 with A > 0: the clipped surrogate has no gradient there; CISPO's capped weight keeps one
-    logprobs = torch.zeros(1, 2, requires_grad=True)
-    old = torch.log(torch.tensor([[1 / 5.0, 1.0]]))
+    logprobs = torch.tensor([[0.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[math.log(1 / 5.0), -0.5]])  # ratios 5 and 1
     mask, adv = torch.ones(1, 2, dtype=torch.long), torch.tensor([1.0])
     for loss_type, expect_grad in (("dapo", False), ("cispo", True)):
         logprobs.grad = None
         grpo.grpo_loss(logprobs, old, None, adv, mask, _args(loss_type=loss_type, beta=0.0))[0].backward()
         assert (logprobs.grad[0, 0] != 0) == expect_grad
     assert math.isclose(float(logprobs.grad[0, 0]), -1.28 / 2, rel_tol=1e-6)  # -sg(min(r, 1.28)) A / tokens
+    # the weight is a constant (stop-gradient): token 2's gradient is -1 * A / 2, with no r * A * log pi term
+    assert math.isclose(float(logprobs.grad[0, 1]), -1 / 2, rel_tol=1e-6)
 
 
 # ------------------------------------------------------------------ multi-turn SFT

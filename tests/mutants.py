@@ -1,0 +1,415 @@
+"""The suite proves itself: one-line mistakes a developer might make in an equation, a mask, a
+reference, a stop rule, the bootstrap, a guard or a checkpoint, each with the tests that must
+fail when it is made. Every entry changes one line of a temporary copy of the repository (its
+git-tracked files); a mutant whose tests still pass is a *survivor*: a hole in the warranty.
+
+    python tests/mutants.py                 # every mutant (make mutants); the README gives its time
+    python tests/mutants.py --list          # names, files and tests, without running anything
+    python tests/mutants.py --only ppo_missing_eos_sign,eval_elo_unpaired
+
+An entry is stale when its `original` text is no longer found exactly once in its file (the line
+was edited): the runner refuses to run and names it, so refresh it (or drop it) with the change
+that made it stale. Tests run one pytest process per mutant, -x, OMP_NUM_THREADS=1; first the
+unmutated copy must pass every listed test (`--no_baseline` skips that check).
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    original: str  # text found exactly once in the file (a whole line or a unique part of it)
+    replacement: str
+    tests: list  # pytest node ids (tests/test_x.py::test_y[param]) that must fail
+    note: str = field(default="")  # e.g. "reward contract: refresh after the call_reward_fn rewrite"
+
+
+T = "tests/"
+MUTANTS = [
+    # ---------------------------------------------------------------- ppo.py
+    Mutant("ppo_missing_eos_sign", "ppo.py",
+           "scores = torch.where(truncated, -args.missing_eos_penalty, scores)",
+           "scores = torch.where(truncated, args.missing_eos_penalty, scores)",
+           [T + "test_ppo.py::test_a_completion_without_eos_scores_minus_the_penalty"]),
+    Mutant("ppo_clip_min_to_max", "ppo.py",
+           "surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages)",
+           "surrogate = torch.max(ratio * advantages, torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages)",
+           [T + "test_ppo.py::test_dual_clip_loss_matches_the_formula[3.0]"]),
+    Mutant("ppo_clip_range_one_sided", "ppo.py",
+           "torch.clamp(ratio, 1 - cliprange, 1 + cliprange) * advantages)",
+           "torch.clamp(ratio, 1 - cliprange, 1 + 2 * cliprange) * advantages)",
+           [T + "test_ppo.py::test_dual_clip_loss_matches_the_formula[3.0]"]),
+    Mutant("ppo_dual_clip_max_to_min", "ppo.py",
+           "torch.max(surrogate, dual_clip_c * advantages), surrogate)",
+           "torch.min(surrogate, dual_clip_c * advantages), surrogate)",
+           [T + "test_ppo.py::test_dual_clip_loss_matches_the_formula[3.0]"]),
+    Mutant("ppo_dual_clip_on_positive_advantages", "ppo.py",
+           "objective = torch.where(advantages < 0, torch.max(",
+           "objective = torch.where(advantages > 0, torch.max(",
+           [T + "test_ppo.py::test_dual_clip_loss_matches_the_formula[3.0]"]),
+    Mutant("ppo_value_clip_max_to_min", "ppo.py",
+           "losses = torch.max((values - returns) ** 2, (clipped - returns) ** 2)",
+           "losses = torch.min((values - returns) ** 2, (clipped - returns) ** 2)",
+           [T + "test_ppo.py::test_value_loss_matches_the_formula"]),
+    Mutant("ppo_value_clip_around_returns", "ppo.py",
+           "clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)",
+           "clipped = returns + torch.clamp(values - returns, -cliprange_value, cliprange_value)",
+           [T + "test_ppo.py::test_value_loss_matches_the_formula"]),
+    Mutant("ppo_gae_delta_sign", "ppo.py",
+           "deltas = (rewards + gamma * next_values - values) * mask",
+           "deltas = (rewards + gamma * next_values + values) * mask",
+           [T + "test_ppo.py::test_vectorised_gae_matches_a_python_loop[1.0-0.95]"]),
+    Mutant("ppo_gae_no_lambda", "ppo.py",
+           "(gamma * lam) ** lag.clamp(min=0)",
+           "gamma ** lag.clamp(min=0)",
+           [T + "test_ppo.py::test_vectorised_gae_matches_a_python_loop[1.0-0.95]"]),
+    Mutant("ppo_gae_returns_without_values", "ppo.py",
+           "return advantages, advantages + values",
+           "return advantages, advantages",
+           [T + "test_ppo.py::test_vectorised_gae_matches_a_python_loop[1.0-0.95]"]),
+    Mutant("ppo_whiten_unmasked_mean", "ppo.py",
+           "mean = parallel.all_reduce((x * mask).sum(), \"sum\") / count",
+           "mean = parallel.all_reduce(x.sum(), \"sum\") / count",
+           [T + "test_ppo.py::test_masked_whiten_over_real_tokens"]),
+    Mutant("ppo_whiten_keeps_mean", "ppo.py",
+           "return whitened if shift_mean else whitened + mean",
+           "return whitened + mean if shift_mean else whitened",
+           [T + "test_ppo.py::test_masked_whiten_over_real_tokens"]),
+    Mutant("ppo_k1_kl_sign", "ppo.py",
+           "kl = (logprobs - ref_logprobs) * completion_mask",
+           "kl = (ref_logprobs - logprobs) * completion_mask",
+           [T + "test_ppo.py::test_kl_penalty_and_score_placement"]),
+    Mutant("ppo_score_off_by_one", "ppo.py",
+           "last = completion_mask.sum(1).long() - 1",
+           "last = completion_mask.sum(1).long() - 2",
+           [T + "test_ppo.py::test_kl_penalty_and_score_placement"]),
+    Mutant("ppo_reference_is_the_policy", "ppo.py",
+           "ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb[\"prompt_ids\"]",
+           "ref_logprobs.append(sampling.completion_logprobs(policy, mb[\"prompt_ids\"]",
+           [T + "test_ppo.py::test_a_completion_without_eos_scores_minus_the_penalty"]),
+    Mutant("ppo_logprobs_without_temperature", "ppo.py",
+           "lp, _, v = policy_and_values(policy, critic, mb, args.temperature)",
+           "lp, _, v = policy_and_values(policy, critic, mb, 1.0)",
+           [T + "test_ppo.py::test_a_completion_without_eos_scores_minus_the_penalty"]),
+    # ---------------------------------------------------------------- grpo.py
+    Mutant("grpo_group_mean_over_batch", "grpo.py",
+           "advantages = grouped - grouped.mean(1, keepdim=True)",
+           "advantages = grouped - grouped.mean()",
+           [T + "test_grpo.py::test_group_advantages_on_hand_built_rewards"]),
+    Mutant("grpo_group_std_over_batch", "grpo.py",
+           "advantages = advantages / (grouped.std(1, keepdim=True) + ADV_EPS)",
+           "advantages = advantages / (grouped.std() + ADV_EPS)",
+           [T + "test_grpo.py::test_group_advantages_on_hand_built_rewards"]),
+    Mutant("grpo_k3_kl_wrong", "grpo.py",
+           "kl = torch.exp(delta) - delta - 1  # (N, C)",
+           "kl = torch.exp(delta) - 1  # (N, C)",
+           [T + "test_grpo.py::test_loss_matches_the_formula[dapo]"]),
+    Mutant("grpo_kl_direction", "grpo.py",
+           "delta = ref_logprobs - logprobs",
+           "delta = logprobs - ref_logprobs",
+           [T + "test_grpo.py::test_loss_matches_the_formula[dapo]"]),
+    Mutant("grpo_kl_sign_in_loss", "grpo.py",
+           "per_token_loss = per_token_loss + args.beta * kl",
+           "per_token_loss = per_token_loss - args.beta * kl",
+           [T + "test_grpo.py::test_loss_matches_the_formula[dapo]"]),
+    Mutant("grpo_clip_higher_ignored", "grpo.py",
+           "torch.clamp(ratio, 1 - args.epsilon, 1 + epsilon_high) * adv)",
+           "torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon) * adv)",
+           [T + "test_grpo.py::test_dual_clip_bounds_negative_advantages"]),
+    Mutant("grpo_dual_clip_max_to_min", "grpo.py",
+           "surrogate = torch.where(adv < 0, torch.max(surrogate, args.dual_clip_c * adv), surrogate)",
+           "surrogate = torch.where(adv < 0, torch.min(surrogate, args.dual_clip_c * adv), surrogate)",
+           [T + "test_grpo.py::test_dual_clip_bounds_negative_advantages"]),
+    Mutant("grpo_loss_grpo_token_mean_over_batch", "grpo.py",
+           "per_seq = (per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)",
+           "per_seq = (per_token_loss * mask).sum(1) / mask.sum().clamp(min=1)",
+           [T + "test_grpo.py::test_loss_matches_the_formula[grpo]"]),
+    Mutant("grpo_loss_dr_grpo_normaliser", "grpo.py",
+           "loss = (per_token_loss * mask).sum() / (num_sequences * args.max_completion_length)",
+           "loss = (per_token_loss * mask).sum() / (num_sequences * mask.shape[1])",
+           [T + "test_grpo.py::test_loss_matches_the_formula[dr_grpo]"]),
+    Mutant("grpo_loss_bnpo_unweighted", "grpo.py",
+           "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)",
+           "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)",
+           [T + "test_trl_knobs.py::test_gspo_bnpo_cispo_match_their_equations[bnpo-token]"]),
+    Mutant("grpo_loss_dapo_per_sequence", "grpo.py",
+           "loss = (per_token_loss * mask).sum() / num_tokens",
+           "loss = (per_token_loss * mask).sum() / num_sequences",
+           [T + "test_grpo.py::test_loss_matches_the_formula[dapo]"]),
+    Mutant("grpo_gspo_sum_not_mean", "grpo.py",
+           "log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))",
+           "log_ratio = (log_ratio * mask).sum(1, keepdim=True)",
+           [T + "test_trl_knobs.py::test_gspo_bnpo_cispo_match_their_equations[grpo-sequence]"]),
+    Mutant("grpo_cispo_weight_not_detached", "grpo.py",
+           "per_token_loss = -torch.clamp(ratio, max=1 + epsilon_high).detach() * adv * logprobs",
+           "per_token_loss = -torch.clamp(ratio, max=1 + epsilon_high) * adv * logprobs",
+           [T + "test_trl_knobs.py::test_cispo_keeps_the_gradient_of_clipped_tokens"]),
+    Mutant("grpo_peft_reference_with_adapters_on", "grpo.py",
+           "with torch.no_grad(), lora.adapters_off(ref_model):",
+           "with torch.no_grad():",
+           [T + "test_peft.py::test_grpo_main_takes_the_reference_with_the_adapters_off"]),
+    Mutant("grpo_logprobs_without_temperature", "grpo.py",
+           "mb[\"completion_mask\"], args.temperature, with_entropy=True)",
+           "mb[\"completion_mask\"], with_entropy=True)",
+           [T + "test_peft.py::test_grpo_main_takes_the_reference_with_the_adapters_off"]),
+    Mutant("grpo_reward_weights_ignored", "grpo.py",
+           "reward = (rewards_per_source * weights).sum(1)  # (N,)",
+           "reward = rewards_per_source.sum(1)  # (N,)",
+           [T + "test_grpo.py::test_grpo_any_model_with_user_reward_and_reward_model"],
+           note="reward contract (weights): recheck after the call_reward_fn rewrite"),
+    Mutant("common_reward_count_unchecked", "common.py",
+           "if len(rewards) != len(completions):",
+           "if False:",
+           [T + "test_common.py::test_reward_fn_from_file_gets_extra_columns"],
+           note="reward contract (lengths): refresh after the call_reward_fn rewrite (this line will move)"),
+    # ---------------------------------------------------------------- dpo.py
+    Mutant("dpo_sigmoid_sign", "dpo.py",
+           "losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)",
+           "losses = -(1 - eps) * F.logsigmoid(-beta * logits) - eps * F.logsigmoid(beta * logits)",
+           [T + "test_dpo.py::test_dpo_loss_on_a_hand_computed_pair"]),
+    Mutant("dpo_margin_reference_swapped", "dpo.py",
+           "logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)",
+           "logits = (chosen_logps - ref_rejected_logps) - (rejected_logps - ref_chosen_logps)",
+           [T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations[sigmoid-0.0]"]),
+    Mutant("dpo_cdpo_smoothing_sign", "dpo.py",
+           "losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)",
+           "losses = -(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)",
+           [T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations[sigmoid-0.2]"]),
+    Mutant("dpo_robust_no_denominator", "dpo.py",
+           "eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)",
+           "eps * F.logsigmoid(-beta * logits))",
+           [T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations[robust-0.2]"]),
+    Mutant("dpo_ipo_target", "dpo.py",
+           "losses = (logits - 1 / (2 * beta)) ** 2",
+           "losses = (logits - 1 / beta) ** 2",
+           [T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations[ipo-0.0]"]),
+    Mutant("dpo_ipo_sums_not_means", "dpo.py",
+           "logps = logps / completion_mask.sum(1).clamp(min=1)",
+           "logps = logps",
+           [T + "test_dpo.py::test_precomputed_and_live_reference_give_the_same_loss[ipo]"]),
+    Mutant("dpo_rpo_nll_per_sequence", "dpo.py",
+           "per_token = chosen_logps if loss_type == \"ipo\" else chosen_logps / chosen_mask.sum(1).clamp(min=1)",
+           "per_token = chosen_logps",
+           [T + "test_dpo.py::test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses"]),
+    Mutant("dpo_peft_reference_with_adapters_on", "dpo.py",
+           "with torch.no_grad(), lora.adapters_off(ref_model):",
+           "with torch.no_grad():",
+           [T + "test_peft.py::test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo"]),
+    # ---------------------------------------------------------------- reward.py, sft.py
+    Mutant("reward_bradley_terry_sign", "reward.py",
+           "margin = chosen_rewards - rejected_rewards  # (B,)",
+           "margin = rejected_rewards - chosen_rewards  # (B,)",
+           [T + "test_reward.py::test_bradley_terry_loss_and_accuracy_on_hand_built_pairs"]),
+    Mutant("sft_completion_mask_as_loss_mask", "sft.py",
+           "loss = sft_loss(logprobs, loss_mask, rank_tokens)",
+           "loss = sft_loss(logprobs, completion_mask, rank_tokens)",
+           [T + "test_sft.py::test_multi_turn_sft_trains_only_the_assistant_turns"]),
+    # ---------------------------------------------------------------- sampling.py, data.py
+    Mutant("sampling_generation_config_stops_ignored", "sampling.py",
+           "stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)",
+           "stops = torch.tensor([tokenizer.eos_token_id], device=prompt_ids.device)",
+           [T + "test_sampling.py::test_a_generation_config_stop_token_ends_the_completion"]),
+    Mutant("sampling_stop_token_dropped_from_mask", "sampling.py",
+           "completion_mask = (arange[None] <= first_stop[:, None]).long()",
+           "completion_mask = (arange[None] < first_stop[:, None]).long()",
+           [T + "test_sampling.py::test_generate_masks_after_eos_and_flags_truncation"]),
+    Mutant("sampling_logprobs_without_temperature", "sampling.py",
+           "logits = (transform(logits) if transform is not None else logits) / temperature",
+           "logits = (transform(logits) if transform is not None else logits)",
+           [T + "test_sampling.py::test_completion_logprobs_match_full_softmax[None]"]),
+    Mutant("sampling_logprobs_off_by_one", "sampling.py",
+           "hidden = hidden[:, -C - 1:-1]  # (B, C, H)",
+           "hidden = hidden[:, -C:]  # (B, C, H)",
+           [T + "test_sampling.py::test_completion_logprobs_match_full_softmax[None]"]),
+    Mutant("sampling_stop_tokens_not_the_union", "sampling.py",
+           "return sorted({tokenizer.eos_token_id, *listed})",
+           "return sorted(set(listed) or {tokenizer.eos_token_id})",
+           [T + "test_sampling.py::test_stop_token_ids_are_the_union_of_eos_and_the_generation_config"]),
+    Mutant("data_completion_without_eos", "data.py",
+           "            ids = ids + [eos]\n",
+           "            ids = ids\n",
+           [T + "test_common.py::test_encode_pads_and_eos"]),
+    Mutant("data_prompts_right_padded", "data.py",
+           "return _pad(seqs, tokenizer.pad_token_id, left=True)",
+           "return _pad(seqs, tokenizer.pad_token_id, left=False)",
+           [T + "test_common.py::test_encode_pads_and_eos"]),
+    Mutant("data_loss_mask_trains_every_turn", "data.py",
+           "ids, train = ids + t, train + [int(is_trained)] * len(t)",
+           "ids, train = ids + t, train + [1] * len(t)",
+           [T + "test_trl_knobs.py::test_every_assistant_turn_is_trained_and_nothing_else"]),
+    # ---------------------------------------------------------------- common.py, checkpoints.py: optimizer, guards
+    Mutant("common_stochastic_rounding_truncates", "common.py",
+           "target.copy_(((bits + noise) & -65536).view(torch.float32))",
+           "target.copy_((bits & -65536).view(torch.float32))",
+           [T + "test_common.py::test_stochastic_rounding_is_unbiased"]),
+    Mutant("common_nan_guard_off", "common.py",
+           "    if not torch.isfinite(t).all():\n        what =",
+           "    if False:\n        what =",
+           [T + "test_guards.py::test_check_finite_names_what_and_when"]),
+    Mutant("common_gradient_norm_guard_skipped", "common.py",
+           "check_finite(\"the gradient norm\", grad_norm, step)",
+           "grad_norm",
+           [T + "test_guards.py::test_nan_gradient_stops_before_the_optimizer_touches_the_weights"]),
+    Mutant("checkpoints_nan_weight_saved", "checkpoints.py",
+           "if (bad := common.nonfinite_tensor(tensors)) is not None:",
+           "if False:",
+           [T + "test_guards.py::test_no_checkpoint_holds_a_nan_weight_and_none_is_resumed"]),
+    Mutant("checkpoints_written_in_place", "checkpoints.py",
+           "tmp = folder.rstrip(\"/\") + \".tmp\"",
+           "tmp = folder.rstrip(\"/\")",
+           [T + "test_guards.py::test_a_crash_while_saving_leaves_no_half_checkpoint"]),
+    Mutant("checkpoints_config_moved_first", "checkpoints.py",
+           "names = sorted(os.listdir(tmp), key=lambda n: n == \"config.json\")",
+           "names = sorted(os.listdir(tmp), key=lambda n: n != \"config.json\")",
+           [T + "test_guards.py::test_a_crash_while_saving_leaves_no_half_checkpoint"]),
+    # ---------------------------------------------------------------- eval.py: bootstrap and Elo
+    Mutant("eval_ci_level_90", "eval.py",
+           "CI_LEVEL = 0.95",
+           "CI_LEVEL = 0.90",
+           [T + "test_eval.py::test_paired_bootstrap_ci_covers_true_win_rate"]),
+    Mutant("eval_elo_unpaired", "eval.py",
+           "totals = {(names.index(a), names.index(b)): resampled_totals(method_outcomes[a, b], prompt_counts,",
+           "totals = {(names.index(a), names.index(b)): resampled_totals(method_outcomes[a, b], "
+           "bootstrap_plan(n, [1], args.num_bootstrap, args.seed + 7 * names.index(a) + names.index(b))[0],",
+           [T + "test_eval.py::test_elo_bootstrap_resamples_the_prompts_once_for_every_pair"]),
+    Mutant("eval_ties_count_as_losses", "eval.py",
+           "return (np.sign(np.asarray(score_a, float) - np.asarray(score_b, float)) + 1) / 2",
+           "return (np.sign(np.asarray(score_a, float) - np.asarray(score_b, float)) > 0).astype(float)",
+           [T + "test_eval.py::test_outcomes_ties_count_half"]),
+    Mutant("eval_two_level_runs_not_resampled", "eval.py",
+           "run_counts = [resample_counts(rng.integers(0, r, size=(num_bootstrap, r)), r) for r in num_runs]",
+           "run_counts = [np.ones((num_bootstrap, r)) for r in num_runs]",
+           [T + "test_eval.py::test_two_level_bootstrap_coverage"]),
+    Mutant("eval_bt_mm_update", "eval.py",
+           "new = total_wins / (games / (p[..., :, None] + p[..., None, :])).sum(-1)",
+           "new = total_wins / (games / (p[..., :, None] * p[..., None, :])).sum(-1)",
+           [T + "test_eval.py::test_bradley_terry_recovers_known_strengths"]),
+    Mutant("eval_elo_scale", "eval.py",
+           "return 1000 + 400 * np.log10(p / p[..., :1])",
+           "return 1000 + 400 * np.log(p / p[..., :1])",
+           [T + "test_eval.py::test_bradley_terry_recovers_known_strengths"]),
+]
+
+
+def tracked_files():
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(ROOT, f))]
+
+
+def check_entries(mutants):
+    """Every entry's original text must occur exactly once in its file: a stale entry is an error."""
+    problems, names = [], set()
+    for m in mutants:
+        if m.name in names:
+            problems.append(f"{m.name}: the name is used twice")
+        names.add(m.name)
+        path = os.path.join(ROOT, m.file)
+        if not os.path.isfile(path):
+            problems.append(f"{m.name}: {m.file} does not exist")
+            continue
+        count = open(path).read().count(m.original)
+        if count != 1:
+            problems.append(f"{m.name}: the original text occurs {count} times in {m.file} (expected exactly once): "
+                            f"{m.original!r}")
+        if m.original == m.replacement or not m.tests:
+            problems.append(f"{m.name}: no change, or no tests that must fail")
+    return problems
+
+
+def run_pytest(copy, tests, timeout):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    try:
+        proc = subprocess.run(argv, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", ""
+    return proc.returncode, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="Comma-separated mutant names to run (default: all).")
+    parser.add_argument("--list", action="store_true", help="List the mutants and their tests; run nothing.")
+    parser.add_argument("--no_baseline", action="store_true", help="Skip running the tests on the unmutated copy first.")
+    parser.add_argument("--timeout", type=int, default=900, help="Seconds per pytest process (a timeout counts as killed).")
+    args = parser.parse_args()
+
+    mutants = MUTANTS
+    if args.only:
+        wanted = [n for n in args.only.split(",") if n]
+        unknown = [n for n in wanted if n not in {m.name for m in MUTANTS}]
+        if unknown:
+            sys.exit(f"mutants.py: no mutant named {', '.join(unknown)} (python tests/mutants.py --list)")
+        mutants = [m for m in MUTANTS if m.name in wanted]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:45s} {m.file:15s} {' '.join(m.tests)}" + (f"   [{m.note}]" if m.note else ""))
+        print(f"{len(mutants)} mutants")
+        return
+    problems = check_entries(mutants)
+    if problems:
+        print("mutants.py: STALE OR BROKEN ENTRIES -- refusing to run (edit tests/mutants.py):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        sys.exit(2)
+
+    start = time.time()
+    copy = tempfile.mkdtemp(prefix="mutants-")
+    try:
+        for f in tracked_files():
+            os.makedirs(os.path.dirname(os.path.join(copy, f)) or copy, exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+        if not args.no_baseline:
+            tests = sorted({t for m in mutants for t in m.tests})
+            t0 = time.time()
+            rc, out = run_pytest(copy, tests, args.timeout * 2)
+            if rc != 0:
+                print(out)
+                sys.exit(f"mutants.py: the listed tests fail (rc {rc}) on the unmutated code; fix them first.")
+            print(f"baseline: {len(tests)} tests pass on the unmutated copy ({time.time() - t0:.0f} s)", flush=True)
+        survivors, errors = [], []
+        for i, m in enumerate(mutants, 1):
+            path = os.path.join(copy, m.file)
+            original = open(path).read()
+            with open(path, "w") as f:
+                f.write(original.replace(m.original, m.replacement, 1))
+            t0 = time.time()
+            rc, out = run_pytest(copy, m.tests, args.timeout)
+            with open(path, "w") as f:
+                f.write(original)
+            if rc == 0:
+                verdict = "SURVIVED"
+                survivors.append(m)
+            elif rc in (1, "timeout"):
+                verdict = "killed" if rc == 1 else "killed (timeout)"
+            elif rc == 2:
+                verdict = "killed (collection error)"
+            else:  # 4: a test id not found, 5: nothing collected -- the entry's tests are stale
+                verdict = f"ERROR (pytest rc {rc})"
+                errors.append(m)
+                print(out)
+            print(f"[{i}/{len(mutants)}] {m.name:45s} {verdict:28s} {time.time() - t0:5.1f} s", flush=True)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    killed = len(mutants) - len(survivors) - len(errors)
+    print(f"\nmutants: {killed}/{len(mutants)} killed in {time.time() - start:.0f} s")
+    for m in survivors:
+        print(f"  SURVIVED {m.name}: {m.file}: {m.original!r} -> {m.replacement!r} (tests: {' '.join(m.tests)})")
+    for m in errors:
+        print(f"  ERROR    {m.name}: its tests could not run: {' '.join(m.tests)}")
+    sys.exit(1 if survivors or errors else 0)
+
+
+if __name__ == "__main__":
+    main()
