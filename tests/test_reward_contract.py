@@ -521,3 +521,26 @@ def test_async_reward_functions_are_awaited_together():
 
     scores = common.call_reward_fns([waits, plain, sets], ["p", "q"], ["a", "b"])
     assert scores[:, :2].tolist() == [[1.0, 3.0], [1.0, 3.0]] and scores[:, 2].isnan().all()
+
+
+def test_none_is_nan_and_left_out_of_the_weighted_sum():
+    """TRL: a None reward is NaN (the function does not apply to that sample); the weighted sum
+    is a nansum over the functions that apply, NaN only where none does."""
+    def half(completions, **kwargs):
+        return [None if c == "b" else 1.0 for c in completions]
+
+    def always(completions, **kwargs):
+        return [None if c == "b" else 2.0 for c in completions[:-1]] + [4.0]
+
+    scores = common.call_reward_fns([half, always], ["p"] * 3, ["a", "b", "c"], every_row=False)  # (3, 2)
+    assert scores[0].tolist() == [1.0, 2.0] and scores[1].isnan().all() and scores[2].tolist() == [1.0, 4.0]
+    reward = common.weighted_rewards(scores, torch.tensor([0.5, 3.0]))
+    assert reward[0] == 0.5 + 6.0 and reward[1].isnan() and reward[2] == 0.5 + 12.0
+    partial = common.weighted_rewards(torch.tensor([[float("nan"), 2.0]]), torch.tensor([0.5, 3.0]))
+    assert partial.tolist() == [6.0]  # the function that returned None is left out, not counted as 0
+
+
+def test_a_reward_function_returning_the_wrong_count_is_refused():
+    with pytest.raises(SystemExit) as e:
+        common.call_reward_fns([lambda completions, **kw: [1.0]], ["p", "q"], ["a", "b"])
+    assert "returned 1 values for 2 completions" in str(e.value)
