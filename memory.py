@@ -328,14 +328,14 @@ def print_plan(args, **holds):
         args = copy.copy(args)
         args.dtype = "bfloat16"
         if not torch.cuda.is_available():
-            note = ("\n--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
-                    "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.")
+            note = ("--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
+                    "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.\n")
     dtype = common.torch_dtype(args.dtype)
     script = os.path.basename(sys.argv[0])
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
              f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
              f"per device, estimated from the config)")
-    print(memory_table(estimate_memory(args, **holds), title) + note)
+    print(note + memory_table(estimate_memory(args, **holds), title))  # the table's last line stays its total
     sys.exit(0)
 
 

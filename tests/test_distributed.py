@@ -32,12 +32,12 @@ def _metrics(folder):
         return [json.loads(line) for line in f]
 
 
-def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e-4, steps=4):
+def _assert_same_training(one, two, keys=("num_tokens", "loss"), weights_atol=1e-4, steps=4, rel=1e-5):
     a, b = ([r for r in _metrics(d) if "grad_norm" in r] for d in (one, two))  # training rows (not final evals)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
     for ra, rb in zip(a, b):
         for k in keys:  # num_tokens: the two ranks together saw the same batch
-            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-6), k
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
     wa, wb = load_file(os.path.join(one, "model.safetensors")), load_file(os.path.join(two, "model.safetensors"))
     assert wa.keys() == wb.keys()
@@ -127,7 +127,10 @@ def test_ppo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
     run = _launch(["ppo.py", *argv, "--batch_size", "4", "--output_dir", two], nproc=2)
     run_main(ppo, argv + ["--batch_size", "8", "--output_dir", one], monkeypatch)
     assert _finish(run).count("saved to") == 1
-    _assert_same_training(one, two, keys=("num_tokens", "reward", "kl", "rlhf_reward", "completions/mean_length"), steps=3)
+    # the same samples (num_tokens, reward); kl after two updates at lr 1e-2 agrees to 3e-5 relative (batches of
+    # 4 and 8 pad to other widths, so the matmuls round differently), within grad_norm's 1e-4
+    _assert_same_training(one, two, keys=("num_tokens", "reward", "kl", "rlhf_reward", "completions/mean_length"), steps=3,
+                          rel=1e-4)
     rows = _metrics(one)
     assert rows[-1]["kl"] != 0 and rows[0]["episode"] == _metrics(two)[0]["episode"] == 8
     ca, cb = (torch.load(os.path.join(d, "checkpoint-3", "trainer_state.pt"), weights_only=True)["critic"] for d in (one, two))
