@@ -32,7 +32,6 @@ verifier takes both).
 
 import random
 
-from datasets import Dataset
 
 SPEC = "embedded:code"  # --dataset value
 VISIBLE_INPUTS = (0, 1, 2, 3, 4)  # shown in the prompt
@@ -139,6 +138,8 @@ def build_world(seed=0, sizes=None):
         written, _slipped = demonstrate(rng, family, constants)
         sft.append({**r, "completion": completion_of(written), "correct": passes(written, r["tests"])})
     rl = [row(*fresh_task()) for _ in range(sizes["rl"])]
+    from datasets import Dataset  # a slow import: not for --help
+
     return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
 
 

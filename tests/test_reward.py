@@ -131,9 +131,9 @@ def test_reward_models_read_the_whole_completion_in_grpo_and_ppo(tiny_qwen):
     texts = [" alice" * 61 + " bob lost phone", " alice" * 61 + " bob bought bike"]
     assert [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts] == [64, 64]
     prompts = ["POST: alice bought the bike . TL;DR:"] * 2
-    args = SimpleNamespace(max_prompt_length=32, max_completion_length=64, eval_batch_size=8)
-    by_grpo = grpo.score([{"model": rm, "tokenizer": tok, "name": "rm"}], prompts, texts, {}, args)[:, 0]
-    by_ppo = ppo.score(None, rm, tok, prompts, texts, {}, args)
+    args = SimpleNamespace(max_prompt_length=32, max_completion_length=64, eval_batch_size=8, max_steps=1)
+    by_grpo = grpo.score([{"model": rm, "tokenizer": tok, "name": "rm"}], prompts, texts, None, {}, args)[:, 0]
+    by_ppo = ppo.score(None, rm, tok, prompts, texts, None, {}, args)
     whole = sampling.reward_model_scores(rm, tok, prompts, texts)  # nothing cut
     torch.testing.assert_close(by_grpo, whole)
     torch.testing.assert_close(by_ppo, whole)
