@@ -22,7 +22,8 @@ the arithmetic one (world_arith.py). It plays the part of a code dataset with un
   so about (1 - 1/6) x 0.8 = 67% of demonstrations pass all their tests. The headroom this
   leaves: a perfect imitator of the demonstrator's most likely output solves the ~83% of tasks
   that are not abs traps, and an execution reward can take it to 100% by writing abs(x-a),
-  which the demonstrations show for a <= 3 (where the kink is visible).
+  which the demonstrations show for a <= 3 (where the kink is visible) -- rarely: a is drawn from
+  1..449, so about 1 demonstration in 1000 (README, the code world's results).
 
 The splits `sft` / `rl` / `test` hold disjoint functions (so disjoint prompts). Every text uses
 the same few characters, so the world trains sft.py's character-level from-scratch Qwen2
