@@ -10,18 +10,47 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	@$(PYTHON) -m pip install -q -r requirements.txt
 
-# The whole pipeline on the embedded world (2 CPU cores: see the README for times).
-# The scripts refuse an --output_dir that holds another run; the demo replaces its own runs/ (saying so).
+# The whole pipeline on the embedded world (README, "Results"). SEED sets every stage's --seed
+# (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another
+# seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
+# their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO from SFT alone); each
+# writes its output to $(RUNS)/logs/<stage>.log and prints its last lines when it ends. The scripts
+# refuse an --output_dir that holds another run; the demo replaces its own folders.
+SEED ?= 0
+RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
+JOBS ?= 2
+SFT_THREADS ?= 2
+DEMO_STAGES = demo-reward demo-dpo demo-ppo demo-grpo_rm demo-dpo_online demo-grpo
+.PHONY: demo-sft $(DEMO_STAGES) demo-eval
 demo: install
-	@[ ! -d runs ] || echo "demo: runs/ holds an earlier demo: each step below replaces its folder (--overwrite_output_dir)"
-	$(PYTHON) sft.py --overwrite_output_dir
-	$(PYTHON) reward.py --overwrite_output_dir
-	$(PYTHON) ppo.py --overwrite_output_dir
-	$(PYTHON) dpo.py --overwrite_output_dir
-	$(PYTHON) dpo.py --online --overwrite_output_dir
-	$(PYTHON) grpo.py --overwrite_output_dir
-	$(PYTHON) grpo.py --reward_model runs/reward --output_dir runs/grpo_rm --overwrite_output_dir
-	$(PYTHON) eval.py runs/sft runs/ppo runs/dpo runs/dpo_online runs/grpo runs/grpo_rm
+	@[ ! -d $(RUNS)/sft ] || echo "demo: $(RUNS)/ holds an earlier demo: each stage replaces its folder (--overwrite_output_dir)"
+	@$(MAKE) --no-print-directory -j$(JOBS) demo-eval SEED=$(SEED) RUNS=$(RUNS)
+
+# one stage: $(1) a name for its log, $(2) threads, $(3) the command's arguments
+define demo_stage
+	@mkdir -p $(RUNS)/logs
+	@echo "demo: $(3)   [log: $(RUNS)/logs/$(1).log]"
+	@if OMP_NUM_THREADS=$(2) TQDM_MININTERVAL=30 $(PYTHON) $(3) > $(RUNS)/logs/$(1).log 2>&1; then \
+	  grep -v "it/s\|s/it" $(RUNS)/logs/$(1).log | tail -n 3 | sed "s/^/  /"; \
+	else tail -n 20 $(RUNS)/logs/$(1).log; echo "demo: $(1) failed: its whole output is in $(RUNS)/logs/$(1).log"; exit 1; fi
+endef
+demo-sft:
+	$(call demo_stage,sft,$(SFT_THREADS),sft.py --seed $(SEED) --output_dir $(RUNS)/sft --overwrite_output_dir)
+demo-reward: demo-sft
+	$(call demo_stage,reward,1,reward.py --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/reward --overwrite_output_dir)
+demo-dpo: demo-sft
+	$(call demo_stage,dpo,1,dpo.py --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/dpo --overwrite_output_dir)
+demo-ppo: demo-reward
+	$(call demo_stage,ppo,1,ppo.py --seed $(SEED) --model $(RUNS)/sft --reward_model $(RUNS)/reward --output_dir $(RUNS)/ppo --overwrite_output_dir)
+demo-grpo_rm: demo-reward
+	$(call demo_stage,grpo_rm,1,grpo.py --seed $(SEED) --model $(RUNS)/sft --reward_model $(RUNS)/reward --output_dir $(RUNS)/grpo_rm --overwrite_output_dir)
+demo-dpo_online: demo-sft
+	$(call demo_stage,dpo_online,1,dpo.py --online --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/dpo_online --overwrite_output_dir)
+demo-grpo: demo-sft
+	$(call demo_stage,grpo,1,grpo.py --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/grpo --overwrite_output_dir)
+demo-eval: $(DEMO_STAGES)
+	$(call demo_stage,eval,$(SFT_THREADS),eval.py sft=$(RUNS)/sft ppo=$(RUNS)/ppo dpo=$(RUNS)/dpo dpo_online=$(RUNS)/dpo_online grpo=$(RUNS)/grpo grpo_rm=$(RUNS)/grpo_rm --output_dir $(RUNS)/eval)
+	@cat $(RUNS)/eval/results.md
 
 # RLVR on the arithmetic world (world_arith.py): SFT from scratch on noisy worked solutions, then
 # GRPO with the exact-answer verifier over three training seeds (whether a run discovers the

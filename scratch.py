@@ -72,8 +72,17 @@ def fit_tokenizer(texts, level):
     return char_tokenizer(texts) if level == "char" else word_tokenizer(texts)
 
 
-def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):
-    """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B."""
+def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
+    """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B.
+
+    `texts` (the training text, optional): the embedding rows of tokens that it never contains
+    start at zero instead of random. A byte-level vocabulary holds many such tokens (the 256
+    bytes and BPE's intermediate merges: 522 of the TL;DR world's 633). With tied embeddings a
+    random row is a random output direction that the softmax must push down; ~500 of them span
+    the hidden space, and an SFT policy trained among them copies facts wrongly far more often
+    (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
+    updates, so they stay one shared direction: one extra class to push down, as if the
+    vocabulary held only the text's tokens. The tokenizer, and so AutoTokenizer, is unchanged."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -91,4 +100,12 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0):
         from_scratch=True,  # a toy policy: common.is_embedded_policy gives it the embedded-world defaults
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config)
+    if texts is not None:
+        used = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+        for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+            used.update(ids)
+        unused = torch.tensor(sorted(set(range(len(tokenizer))) - used), dtype=torch.long)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[unused] = 0.0  # tied: the output rows too
+    return model

@@ -38,10 +38,8 @@ import world
 from common import TrainArgs
 
 # what training the embedded world's tiny policy from scratch needs (common.apply_defaults)
-# max_steps 1500: the TL;DR world's byte-level tokenizer (633 tokens, 110 of them in its text)
-# reaches the training loss the earlier word-level one (112 tokens) reached in 1000 steps (README).
 EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 30, "weight_decay": 0.01,
-                     "batch_size": 32, "max_steps": 1500}
+                     "batch_size": 32, "max_steps": 1000}
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Args(TrainArgs):
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
     scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith and embedded:code, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed (from scratch: 1500)."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (from scratch: cosine)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (from scratch: 30)."})
@@ -121,7 +119,7 @@ def main():
                 common.fail("a from-scratch tokenizer has no chat template: pass prompt/completion as plain text, or --model.")
             level = args.scratch_tokenizer or ("char" if args.dataset.startswith(common.ARITH) or args.dataset == common.CODE else "word")
             tokenizer = scratch.fit_tokenizer([t for pair in pairs for t in pair], level)
-        model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed)
+        model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed, texts=[p + c for p, c in pairs])
         model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
         if args.gradient_checkpointing:
             common.enable_checkpointing(model)

@@ -235,6 +235,10 @@ MUTANTS = [
            "loss = sft_loss(logprobs, loss_mask, rank_tokens)",
            "loss = sft_loss(logprobs, completion_mask, rank_tokens)",
            [T + "test_sft.py::test_multi_turn_sft_trains_only_the_assistant_turns"]),
+    Mutant("scratch_unused_rows_left_random", "scratch.py",
+           "model.get_input_embeddings().weight[unused] = 0.0",
+           "model.get_input_embeddings().weight[unused] *= 1.0",
+           [T + "test_scratch.py::test_tokens_the_training_text_never_contains_start_at_zero_and_move_as_one"]),
     # ---------------------------------------------------------------- sampling.py, data.py
     Mutant("sampling_generation_config_stops_ignored", "sampling.py",
            "stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)",

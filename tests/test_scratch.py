@@ -122,3 +122,30 @@ def test_sft_from_scratch_on_the_arithmetic_world_then_pass_at_k(tmp_path):
     assert "# eval: judge arith_strict" in proc.stdout and "mean words" not in proc.stdout and "| pass@1 | pass@4 |" in proc.stdout
     cached = [json.loads(f.read_text()) for f in (tmp_path / "cache").glob("sft_arith-*.json")]
     assert sorted(len(c["responses"]) for c in cached) == [6, 24]  # greedy, then 4 samples per prompt
+
+
+def test_tokens_the_training_text_never_contains_start_at_zero_and_move_as_one():
+    """scratch.build_model(texts=...): the rows of tokens absent from the text (bytes, BPE's
+    intermediate merges) start at zero, so they share logits, gradients and Adam updates and stay
+    one direction; the text's own rows keep their random init. (Random rows there made the TL;DR
+    world's SFT policy copy facts wrongly: README, "The embedded world".)"""
+    tok = world.build_tokenizer()
+    texts = [r["prompt"] + r["completion"] for r in common.embedded_world()["sft"].select(range(200))]
+    used = {i for t in texts for i in tok(t)["input_ids"]} | {tok.pad_token_id, tok.eos_token_id}
+    model = scratch.build_model(tok, hidden_size=32, num_layers=1, texts=texts)
+    rows = model.get_input_embeddings().weight
+    unused = sorted(set(range(len(tok))) - used)
+    assert len(unused) > 400 and len(used) < 150  # the world's vocabulary: mostly bytes and merges
+    assert rows[unused].abs().sum() == 0
+    assert rows[sorted(used - {tok.pad_token_id})].abs().min(dim=1).values.gt(0).all()  # (pad's row: zero in any Qwen2)
+    assert model.lm_head.weight is rows  # tied: the output rows are the same tensor
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ids = tok(texts[:4], return_tensors="pt", padding=True)["input_ids"]
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    moved = rows[unused].detach()
+    assert moved.abs().sum() > 0 and torch.equal(moved, moved[:1].expand_as(moved))  # moved, as one row
+    assert not torch.equal(scratch.build_model(tok, hidden_size=32, num_layers=1).get_input_embeddings().weight[unused],
+                           torch.zeros(len(unused), 32))  # without texts: the usual random init
