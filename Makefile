@@ -36,9 +36,9 @@ demo-rlvr: install
 
 # Execution-verified RL on the code world (world_code.py): SFT from scratch on a noisy demonstrator's
 # code, then GRPO with the strict execution verifier (sandbox.py: 1 when the code passes all the
-# hidden asserts of the `tests` column) over three training seeds, then pass@1 / pass@k (all tests pass) with CIs
-# over prompts and over seeds + prompts, per family (the abs family's test tasks are all abs traps,
-# the demonstrator's systematic error). Not part of `demo`.
+# hidden asserts of the `tests` column) over three training seeds, then pass@1 / pass@k (all tests
+# pass) with CIs over prompts and over seeds + prompts, per family (the abs family's test tasks are
+# all abs traps, the demonstrator's systematic error). Not part of `demo`.
 demo-code: install
 	$(PYTHON) sft.py --dataset embedded:code --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_code --overwrite_output_dir
 	rm -rf runs/grpo_code

@@ -28,7 +28,9 @@ the arithmetic one (world_arith.py). It plays the part of a code dataset with un
   (Before, the demonstrator always erred on a trap: abs(...) was shown only for a <= 3, about 1
   demonstration in 1000, never sampled, so no reward could fix the error.)
 
-The splits `sft` / `rl` / `test` hold disjoint functions (so disjoint prompts). Every text uses
+The splits `sft` / `rl` / `test` hold disjoint functions (so disjoint prompts). The test split is
+the same for every seed and the training splits, which change with the seed, never hold one of
+its functions (so GRPO over training seeds 0, 1, 2 never trains on a test task). Every text uses
 the same few characters, so the world trains sft.py's character-level from-scratch Qwen2
 (scratch.py), as the arithmetic world does. Completions are plain code, not fenced (the
 verifier takes both).
@@ -108,7 +110,10 @@ def build_world(seed=0, sizes=None):
     - `test`: prompt + `tests` + `reference` (the correct code), `family`, `abs_trap`.
     """
     sizes = {**SPLIT_SIZES, **(sizes or {})}
-    rng = random.Random(seed)
+    # the test split is the same for every seed (eval.py reads seed 0's); the training splits change
+    # with the seed (seed 0 draws them on from the test split's generator)
+    test_rng = random.Random(0)
+    rng = test_rng if seed == 0 else random.Random(seed)
     names = sorted(FAMILIES)
     seen = set()  # every function is unique, so the splits are disjoint
     for family in names:  # enough functions for a uniform draw of every family (with margin)
@@ -118,7 +123,7 @@ def build_world(seed=0, sizes=None):
         if capacity < 1.25 * sum(sizes.values()) / len(names):
             raise ValueError(f"family {family} holds {capacity} functions, too few for {sum(sizes.values())} tasks.")
 
-    def fresh_task():
+    def fresh_task(rng):
         while True:
             family = rng.choice(names)
             constants = {k: rng.choice(v) for k, v in sorted(FAMILIES[family][1].items())}
@@ -134,15 +139,15 @@ def build_world(seed=0, sizes=None):
 
     test = []
     for _ in range(sizes["test"]):  # drawn first, so train sizes do not change the test split
-        family, constants, expr = fresh_task()
+        family, constants, expr = fresh_task(test_rng)
         test.append({**row(family, constants, expr), "reference": completion_of(expr)})
     sft = []
     for _ in range(sizes["sft"]):
-        family, constants, expr = fresh_task()
+        family, constants, expr = fresh_task(rng)
         r = row(family, constants, expr)
         written, _slipped = demonstrate(rng, family, constants)
         sft.append({**r, "completion": completion_of(written), "correct": passes(written, r["tests"])})
-    rl = [row(*fresh_task()) for _ in range(sizes["rl"])]
+    rl = [row(*fresh_task(rng)) for _ in range(sizes["rl"])]
     from datasets import Dataset  # a slow import: not for --help
 
     return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}

@@ -78,6 +78,10 @@ def test_splits_are_disjoint_and_deterministic(world):
     assert not tests["test"] & tests["sft"] and not tests["test"] & tests["rl"] and not tests["sft"] & tests["rl"]
     again = wc.build_world(seed=3, sizes={"sft": 10, "rl": 10})
     assert again["test"].to_list() == world["test"].to_list()  # train sizes leave the test split alone
+    other = wc.build_world(seed=4, sizes={"sft": 300, "rl": 300})  # another training seed:
+    assert other["test"].to_list() == world["test"].to_list() == wc.build_world(seed=0)["test"].to_list()  # same test split,
+    assert other["rl"]["prompt"] != world["rl"]["prompt"][:300]  # other training splits,
+    assert not tests["test"] & {tuple(t) for t in list(other["sft"]["tests"]) + list(other["rl"]["tests"])}  # never a test function
     assert set(world["sft"].column_names) >= {"prompt", "completion", "tests", "abs_trap"}
     assert set(world["rl"].column_names) >= {"prompt", "tests"} and "completion" not in world["rl"].column_names
     assert set(world["test"].column_names) >= {"prompt", "tests", "reference"}
