@@ -64,14 +64,14 @@ demo-rlvr: install
 	$(PYTHON) eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
 
 # Execution-verified RL on the code world (world_code.py): SFT from scratch on a noisy demonstrator's
-# code, then GRPO with the execution verifier (sandbox.py: the code runs against the hidden asserts
-# of the `tests` column) over three training seeds, then pass@1 / pass@k (all tests pass) with CIs
-# over prompts and over seeds + prompts, per family (the abs family's test tasks are all abs traps,
-# the demonstrator's systematic error). Not part of `demo`.
+# code, then GRPO with the strict execution verifier (sandbox.py: 1 when the code passes all the
+# hidden asserts of the `tests` column) over three training seeds, then pass@1 / pass@k (all tests
+# pass) with CIs over prompts and over seeds + prompts, per family (the abs family's test tasks are
+# all abs traps, the demonstrator's systematic error). Not part of `demo`.
 demo-code: install
-	$(PYTHON) sft.py --dataset embedded:code --hidden_size 128 --num_layers 4 --max_steps 500 --output_dir runs/sft_code --overwrite_output_dir
+	$(PYTHON) sft.py --dataset embedded:code --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_code --overwrite_output_dir
 	rm -rf runs/grpo_code
-	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_code -- --model runs/sft_code --dataset embedded:code --reward_fn exec_tests --temperature 1.0 --max_steps 100
+	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_code -- --model runs/sft_code --dataset embedded:code --reward_fn exec_tests_strict --temperature 1.0 --max_steps 200 --num_generations 16
 	$(PYTHON) eval.py sft=runs/sft_code 'grpo=runs/grpo_code/grpo/seed*' --dataset embedded:code --reward_fn exec_tests_strict --num_samples 8 --group_by family --output_dir runs/eval_code
 
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy

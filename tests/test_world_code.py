@@ -21,12 +21,16 @@ def test_a_task_by_hand():
     # the systematic error: the kink of abs(x-9) is beyond the visible inputs, so it writes 9-x
     assert wc.is_trap("abs", {"a": 9}) and not wc.is_trap("abs", {"a": 3})
 
-    class NoSlip:
-        def random(self):
-            return 1.0
+    class Draws:  # rng.random() gives these in turn: first the slip, then (on a trap) the error
+        def __init__(self, *values):
+            self.values = list(values)
 
-    assert wc.demonstrate(NoSlip(), "abs", {"a": 9}) == ("9-x", False)
-    assert wc.demonstrate(NoSlip(), "abs", {"a": 3}) == ("abs(x-3)", False)
+        def random(self):
+            return self.values.pop(0)
+
+    assert wc.demonstrate(Draws(1.0, 0.0), "abs", {"a": 9}) == ("9-x", False)  # draw < TRAP_ERROR_PROB: errs
+    assert wc.demonstrate(Draws(1.0, wc.TRAP_ERROR_PROB), "abs", {"a": 9}) == ("abs(x-9)", False)  # else right
+    assert wc.demonstrate(Draws(1.0), "abs", {"a": 3}) == ("abs(x-3)", False)  # no trap: no second draw
     assert wc.prompt_of(eval("lambda x: 9-x")) == wc.prompt_of(eval("lambda x: abs(x-9)"))  # the examples agree
     assert not wc.passes("9-x", wc.tests_of("abs(x-9)")) and wc.passes("abs(x-9)", wc.tests_of("abs(x-9)"))
 
@@ -39,18 +43,24 @@ def world():
 def test_demonstrator_errors_and_headroom(world):
     sft = world["sft"]
     stats = wc.world_stats(world)
-    # 1/6 of the tasks are abs traps (the demonstrator writes a-x), 20% of demonstrations slip:
-    # about (1 - 1/6) * 0.8 = 67% pass all their tests (module docstring)
-    assert 0.61 < stats["demo_pass_rate"] < 0.73
+    # 1/6 of the tasks are abs traps, where the demonstrator writes a-x 70% of the time; 20% of
+    # demonstrations slip: about (5/6 + 1/6 * 0.3) * 0.8 = 71% pass all their tests (module docstring)
+    assert wc.TRAP_ERROR_PROB == 0.7 and wc.SLIP_PROB == 0.2
+    assert 0.65 < stats["demo_pass_rate"] < 0.77
     assert 0.11 < stats["abs_trap_frac"] < 0.23
     assert stats["imitator_pass_rate"] == pytest.approx(1 - stats["abs_trap_frac"])
     plain = [r for r in sft if not r["abs_trap"]]
     slips = sum(not r["correct"] for r in plain) / len(plain)
     assert 0.15 < slips < 0.25  # a slip always breaks a test (HIDDEN_INPUTS tell constants apart)
     traps = [r for r in sft if r["abs_trap"]]
-    assert not any(r["correct"] for r in traps)
-    unslipped = [r for r in traps if r["completion"] == f"def f(x): return {r['prompt'].split('=')[1].split()[0]}-x"]
-    assert len(unslipped) > 0.7 * len(traps)  # a-x with a = f(0), unless it slipped
+    minus_x = [r for r in traps if r["completion"].endswith("-x")]
+    assert 0.58 < len(minus_x) / len(traps) < 0.82  # the systematic error, on 70% of the traps
+    assert not any(r["correct"] for r in minus_x)
+    right = [r for r in traps if r["completion"].startswith("def f(x): return abs(x-")]
+    assert len(right) + len(minus_x) == len(traps)
+    assert 0.15 < sum(r["correct"] for r in right) / len(traps) < 0.33  # 30%, less the slips: the headroom shows
+    unslipped = [r for r in minus_x if r["completion"] == f"def f(x): return {r['prompt'].split('=')[1].split()[0]}-x"]
+    assert len(unslipped) > 0.7 * len(minus_x)  # a-x with a = f(0), unless it slipped
     # the sandbox agrees with the direct check: references pass everything, a trap's a-x passes the tests below a
     test = world["test"].select(range(40))
     assert sandbox.exec_tests(test["prompt"], test["reference"], tests=test["tests"]) == [1.0] * 40
@@ -68,6 +78,10 @@ def test_splits_are_disjoint_and_deterministic(world):
     assert not tests["test"] & tests["sft"] and not tests["test"] & tests["rl"] and not tests["sft"] & tests["rl"]
     again = wc.build_world(seed=3, sizes={"sft": 10, "rl": 10})
     assert again["test"].to_list() == world["test"].to_list()  # train sizes leave the test split alone
+    other = wc.build_world(seed=4, sizes={"sft": 300, "rl": 300})  # another training seed:
+    assert other["test"].to_list() == world["test"].to_list() == wc.build_world(seed=0)["test"].to_list()  # same test split,
+    assert other["rl"]["prompt"] != world["rl"]["prompt"][:300]  # other training splits,
+    assert not tests["test"] & {tuple(t) for t in list(other["sft"]["tests"]) + list(other["rl"]["tests"])}  # never a test function
     assert set(world["sft"].column_names) >= {"prompt", "completion", "tests", "abs_trap"}
     assert set(world["rl"].column_names) >= {"prompt", "tests"} and "completion" not in world["rl"].column_names
     assert set(world["test"].column_names) >= {"prompt", "tests", "reference"}
