@@ -75,9 +75,10 @@ def fit_tokenizer(texts, level):
 def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B.
 
-    `texts` (the training text, optional): the embedding rows of tokens that it never contains
-    start at zero instead of random. A byte-level vocabulary holds many such tokens (the 256
-    bytes and BPE's intermediate merges: 522 of the TL;DR world's 633). With tied embeddings a
+    `texts` (the training text, optional): the embedding rows of the (non-special) tokens that it
+    never contains start at zero instead of random. A byte-level vocabulary holds many such tokens
+    (the 256 bytes and BPE's intermediate merges: 521 of the TL;DR world's 633); a char-level one
+    holds none. With tied embeddings a
     random row is a random output direction that the softmax must push down; ~500 of them span
     the hidden space, and an SFT policy trained among them copies facts wrongly far more often
     (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
@@ -102,7 +103,7 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     if texts is not None:
-        used = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+        used = set(tokenizer.all_special_ids)  # pad, EOS, <unk>: their usual init
         for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
             used.update(ids)
         unused = torch.tensor(sorted(set(range(len(tokenizer))) - used), dtype=torch.long)

@@ -131,13 +131,17 @@ def test_tokens_the_training_text_never_contains_start_at_zero_and_move_as_one()
     world's SFT policy copy facts wrongly: README, "The embedded world".)"""
     tok = world.build_tokenizer()
     texts = [r["prompt"] + r["completion"] for r in common.embedded_world()["sft"].select(range(200))]
-    used = {i for t in texts for i in tok(t)["input_ids"]} | {tok.pad_token_id, tok.eos_token_id}
+    used = {i for t in texts for i in tok(t)["input_ids"]} | set(tok.all_special_ids)
     model = scratch.build_model(tok, hidden_size=32, num_layers=1, texts=texts)
     rows = model.get_input_embeddings().weight
     unused = sorted(set(range(len(tok))) - used)
     assert len(unused) > 400 and len(used) < 150  # the world's vocabulary: mostly bytes and merges
     assert rows[unused].abs().sum() == 0
     assert rows[sorted(used - {tok.pad_token_id})].abs().min(dim=1).values.gt(0).all()  # (pad's row: zero in any Qwen2)
+    arith = [r["prompt"] + r["completion"] for r in world_arith.build_world(seed=0, sizes={"sft": 50, "rl": 1, "test": 1})["sft"]]
+    char = scratch.fit_tokenizer(arith, "char")  # every token of a char-level one is in the text: nothing at zero
+    assert torch.equal(scratch.build_model(char, hidden_size=32, num_layers=1, texts=arith).get_input_embeddings().weight,
+                       scratch.build_model(char, hidden_size=32, num_layers=1).get_input_embeddings().weight)
     assert model.lm_head.weight is rows  # tied: the output rows are the same tensor
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     ids = tok(texts[:4], return_tensors="pt", padding=True)["input_ids"]

@@ -1,0 +1,39 @@
+"""The README's per-seed table of `make demo`: for each pipeline seed's folder, the SFT policy's
+gold score, the reward model's test accuracy against its pairs' label ceiling, and every method's
+win rate against that seed's SFT (95% CI over the 200 test posts), from eval.py's results.json
+and reward.py's summary.json.
+
+    make demo SEED=0 && make demo SEED=1 && make demo SEED=2
+    python studies/demo_seeds.py runs runs/seed1 runs/seed2
+"""
+
+import json
+import os
+import sys
+
+METHODS = ["ppo", "dpo", "dpo_online", "grpo", "grpo_rm"]
+
+
+def row(folder):
+    results = json.load(open(os.path.join(folder, "eval", "results.json")))
+    reward = json.load(open(os.path.join(folder, "reward", "summary.json")))
+    seed = json.load(open(os.path.join(folder, "sft", "args.json"))).get("seed")
+    wins = {p["policy_a"]: p for p in results["pairwise"] if p["policy_b"] == "sft"}
+    cells = [f"{seed}", f"{results['policies']['sft']['score']:.3f}",
+             f"{reward['test_accuracy']:.3f} ({reward['test_label_ceiling']:.3f})"]
+    for m in METHODS:
+        p = wins[m]
+        text = f"{p['win_rate']:.2f} ({p['ci_low']:.2f}, {p['ci_high']:.2f}), {results['policies'][m]['score']:.3f}"
+        cells.append(f"**{text}**" if p["win_rate"] >= 0.70 and p["ci_low"] > 0.5 else text)
+    return "| " + " | ".join(cells) + " |"
+
+
+def main():
+    print("| seed | SFT gold | reward model accuracy (label ceiling) | " + " | ".join(METHODS) + " |")
+    print("|" + "---|" * (3 + len(METHODS)))
+    for folder in sys.argv[1:]:
+        print(row(folder))
+
+
+if __name__ == "__main__":
+    main()
