@@ -31,7 +31,7 @@ define demo_stage
 	@mkdir -p $(RUNS)/logs
 	@echo "demo: $(3)   [log: $(RUNS)/logs/$(1).log]"
 	@if OMP_NUM_THREADS=$(2) TQDM_MININTERVAL=30 $(PYTHON) $(3) > $(RUNS)/logs/$(1).log 2>&1; then \
-	  grep -v "it/s\|s/it" $(RUNS)/logs/$(1).log | tail -n 3 | sed "s/^/  /"; \
+	  grep -E "^[a-z_]+: " $(RUNS)/logs/$(1).log | grep -v "it/s\|s/it" | tail -n 2 | sed "s/^/  /"; \
 	else tail -n 20 $(RUNS)/logs/$(1).log; echo "demo: $(1) failed: its whole output is in $(RUNS)/logs/$(1).log"; exit 1; fi
 endef
 demo-sft:

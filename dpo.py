@@ -36,8 +36,9 @@ Departures from the paper and from TRL:
   values tuned for that tiny model (common.apply_defaults): lr 1e-5 offline (larger steps on
   the noisy labels lower its greedy gold score) with RPO's NLL term, rpo_alpha 1.0 (without it,
   DPO on the annotators' pairs adds copied-wrong clauses and its greedy gold only ties the SFT
-  policy's: README), 3e-4 online, and online samples of 48 tokens at temperature 0.7: pairs
-  near the greedy mode teach what greedy decoding says.
+  policy's: CHANGELOG.md), 500 steps offline (4.4 passes over the 3600 training pairs; 250 gave
+  gold 0.822 on seed 0, 500 0.865: README), 3e-4 online, and online samples of 48 tokens at
+  temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
 --eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the
 held-out DPO loss, reward accuracy and margin against the reference (precomputed for it too).
@@ -286,6 +287,7 @@ def main():
     # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
     # on-policy, so they take a larger step than offline ones
     common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "rpo_alpha": 0.0 if args.online else 1.0,
+                                 "max_steps": 250 if args.online else 500,
                                  "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32})
     if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
         live_ref = args.online or not args.precompute_ref_logps
