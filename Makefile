@@ -14,7 +14,7 @@ install:
 # (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another
 # seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
 # their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO from SFT alone); each
-# writes its output to $(RUNS)/logs/<stage>.log and prints its last lines when it ends. The scripts
+# writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders.
 SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
@@ -31,7 +31,7 @@ define demo_stage
 	@mkdir -p $(RUNS)/logs
 	@echo "demo: $(3)   [log: $(RUNS)/logs/$(1).log]"
 	@if OMP_NUM_THREADS=$(2) TQDM_MININTERVAL=30 $(PYTHON) $(3) > $(RUNS)/logs/$(1).log 2>&1; then \
-	  grep -E "^[a-z_]+: " $(RUNS)/logs/$(1).log | grep -v "it/s\|s/it" | tail -n 2 | sed "s/^/  /"; \
+	  grep -E "^[a-z_]+: " $(RUNS)/logs/$(1).log | grep -v "it/s\|s/it" | tail -n 3 | sed "s/^/  /"; \
 	else tail -n 20 $(RUNS)/logs/$(1).log; echo "demo: $(1) failed: its whole output is in $(RUNS)/logs/$(1).log"; exit 1; fi
 endef
 demo-sft:

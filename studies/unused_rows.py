@@ -30,6 +30,7 @@ import sft  # noqa: E402
 import world  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BPE = world.build_tokenizer  # the world's own, before run() swaps it
 
 
 def word_level(pad_to=0):
@@ -45,9 +46,9 @@ def word_level(pad_to=0):
 
 VARIANTS = {  # name -> (tokenizer, rows the text never contains at zero)
     "word": (word_level, False),
-    "word633": (lambda: word_level(len(world.build_tokenizer())), False),
-    "bpe_random": (world.build_tokenizer, False),
-    "bpe_zero": (world.build_tokenizer, True),
+    "word633": (lambda: word_level(len(BPE())), False),
+    "bpe_random": (BPE, False),
+    "bpe_zero": (BPE, True),
 }
 
 
@@ -63,7 +64,7 @@ def run(variant, seed, max_steps, output_dir):
         sft.main()
         seconds = time.time() - start
     finally:
-        world.build_tokenizer, scratch.build_model = VARIANTS["bpe_zero"][0], build
+        world.build_tokenizer, scratch.build_model = BPE, build
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer()  # the project's loader would read a word-level folder too; this is the same object
