@@ -37,20 +37,25 @@ def run_script(*argv, timeout=600, check=True):
     return proc
 
 
+def save_tiny(path, architecture, tok, **config):
+    """Save a tiny model of a real architecture ("Llama", "Qwen2") with random weights (seed 0) and
+    `tok` to `path`: the shared shape of the tests' foreign fixtures. `config`: the layer sizes."""
+    import transformers
+
+    config = getattr(transformers, f"{architecture}Config")(
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **config)
+    torch.manual_seed(0)
+    getattr(transformers, f"{architecture}ForCausalLM")(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A local tiny LlamaForCausalLM folder whose tokenizer has a chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tok = chat_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama"), "Llama", chat_tokenizer(), hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=256)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from conftest import save_tiny
 
 import data
 import sampling
@@ -83,16 +84,8 @@ def qwen_tokenizer():
 
 def build_qwen(path):
     """A Qwen2.5-shaped folder: the tokenizer above and a tiny Qwen2 (random weights)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = qwen_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny(path, "Qwen2", qwen_tokenizer(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

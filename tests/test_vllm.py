@@ -21,7 +21,7 @@ import data  # noqa: E402
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 import vllm_rollouts  # noqa: E402
-from conftest import run_main  # noqa: E402
+from conftest import chat_tokenizer, run_main, save_tiny  # noqa: E402
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -34,19 +34,9 @@ PROMPTS = ["POST: alice bought the bike . TL;DR:", "POST: bob sold a red car to 
 @pytest.fixture(scope="module")
 def llama32(tmp_path_factory):
     """A tiny Llama (GQA, untied head) with head_dim 32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import chat_tokenizer
-
-    path = tmp_path_factory.mktemp("llama32")
-    tok = chat_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory.mktemp("llama32"), "Llama", chat_tokenizer(), hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     max_position_embeddings=256)
 
 
 def _args(**kw):
