@@ -82,8 +82,8 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     random row is a random output direction that the softmax must push down; ~500 of them span
     the hidden space, and an SFT policy trained among them copies facts wrongly far more often
     (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
-    updates, so they stay one shared direction (exactly in fp32; in bf16, where the optimizer rounds
-    stochastically, within rounding noise): one extra class to push down, as if the vocabulary held
+    updates, so they stay one shared direction (exactly with fp32 AdamW states; with the default
+    8-bit states, or bf16's stochastic rounding, within their quantisation noise): one extra class to push down, as if the vocabulary held
     only the text's tokens. The tokenizer, and so AutoTokenizer, is unchanged."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
