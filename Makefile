@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-rlvr demo-code test test-lower-bounds vllm-env test-vllm mutants clean
+.PHONY: install demo demo-rlvr demo-rlvr-vllm demo-code test test-lower-bounds vllm-env test-vllm mutants clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -62,6 +62,16 @@ demo-rlvr: install
 	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_arith -- --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0
 	$(PYTHON) eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith
 	$(PYTHON) eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
+
+# --use_vllm against the project's own sampler on the arithmetic world (README, "Rollouts with vLLM"):
+# demo-rlvr's SFT policy (trained here if runs/sft_arith is missing), then GRPO on training seeds
+# 0,1,2 with each sampler, both in .venv-vllm (the same torch and transformers), then both methods'
+# strict accuracy with CIs over seeds + prompts. Not part of `demo`.
+demo-rlvr-vllm: install vllm-env
+	[ -f runs/sft_arith/config.json ] || $(PYTHON) sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith --overwrite_output_dir
+	rm -rf runs/grpo_arith_vllm
+	VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python sweep.py grpo.py --seeds 0,1,2 --use_vllm False,True --output_dir runs/grpo_arith_vllm -- --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0
+	.venv-vllm/bin/python eval.py sft=runs/sft_arith 'project=runs/grpo_arith_vllm/use_vllmFalse/seed*' 'vllm=runs/grpo_arith_vllm/use_vllmTrue/seed*' --dataset embedded:arith --reward_fn arith_strict --group_by carry_trap --output_dir runs/eval_arith_vllm
 
 # Execution-verified RL on the code world (world_code.py): SFT from scratch on a noisy demonstrator's
 # code, then GRPO with the strict execution verifier (sandbox.py: 1 when the code passes all the

@@ -117,7 +117,18 @@ class TrainArgs(ModelArgs):
 
 
 @dataclass
-class SamplingArgs(TrainArgs):
+class VllmArgs:
+    """The flags of --use_vllm (vllm_rollouts.py; README, "Rollouts with vLLM"), TRL's names, for
+    every script that samples (SamplingArgs' and eval.py's)."""
+
+    use_vllm: bool = field(default=False, metadata={"help": "Sample with a vLLM engine inside this process (TRL's colocate mode), its weights synced before every rollout; needs .venv-vllm (make vllm-env)."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "With --use_vllm: the share of the GPU's memory the engine may take (TRL's default; vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE instead)."})
+    vllm_dtype: str = field(default="", metadata={"help": "With --use_vllm: the engine's dtype (float32, bfloat16, float16); default: the policy's."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "With --use_vllm: the engine frees its weights and KV cache after every rollout and gets them back before the next (vLLM's sleep mode, level 2; CUDA GPUs only)."})
+
+
+@dataclass
+class SamplingArgs(VllmArgs, TrainArgs):
     """TrainArgs plus the sampling knobs and sample logging of the scripts that generate
     (grpo.py, ppo.py, dpo.py --online), with TRL's names and meanings."""
 
@@ -126,10 +137,6 @@ class SamplingArgs(TrainArgs):
     top_k: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: off)."})
     min_p: float = field(default=0.0, metadata={"help": "Drop tokens less probable than min_p times the most probable one (Nguyen et al. 2024; 0: off)."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "Divide positive (multiply negative) logits of tokens already in the prompt or completion by this (HF's; 1: off)."})
-    # vLLM (README, "Rollouts with vLLM"): TRL's names
-    use_vllm: bool = field(default=False, metadata={"help": "Sample with a vLLM engine inside this process (TRL's colocate mode), its weights synced before every rollout; needs .venv-vllm (make vllm-env)."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "With --use_vllm: the share of the GPU's memory the engine may take (TRL's default; vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE instead)."})
-    vllm_dtype: str = field(default="", metadata={"help": "With --use_vllm: the engine's dtype (float32, bfloat16, float16); default: the policy's."})
     # logging
     log_completions: bool = field(default=False, metadata={"help": "Every --logging_steps, print a table of a few prompts, their sampled completions and rewards, and append them to <output_dir>/completions.jsonl."})
     num_completions_to_print: int = field(default=4, metadata={"help": "Rows of that table (all of them go to completions.jsonl)."})

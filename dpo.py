@@ -429,6 +429,7 @@ def main():
                          "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
                          "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
+        vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the optimizer step
         memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
                           frozen={"reference model": ref_model if separate_ref else None, "reward model": judge_model})
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
@@ -454,9 +455,11 @@ def main():
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
-    vllm_rollouts.shutdown(llm)  # before anything tears the process group down
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
+    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
+    # the process group down (vLLM's own cleanup fails once the default group is gone)
+    vllm_rollouts.shutdown(llm)
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}

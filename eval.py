@@ -91,8 +91,9 @@ import data
 import lora
 import reports
 import sampling
+import vllm_rollouts
 import world
-from common import ModelArgs
+from common import ModelArgs, VllmArgs
 
 REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
 CI_LEVEL = 0.95
@@ -104,7 +105,7 @@ JUDGE_TEMPLATE = (
 
 
 @dataclass
-class Args(ModelArgs):
+class Args(VllmArgs, ModelArgs):
     # model and data
     policies: list[str] = field(default_factory=list, metadata={"help": "Policies to compare (also accepted as bare arguments: python eval.py runs/sft runs/dpo): a folder or Hub id, or NAME=PATTERN[,PATTERN...], a method whose runs (training seeds) are the folders matching the glob patterns (quote them: 'grpo=runs/seed*/grpo'). The first is the Elo anchor."})
     model: str = field(default="", metadata={"help": "Unused: pass the policies as arguments (python eval.py runs/sft runs/dpo)."})
@@ -487,7 +488,8 @@ def generation_settings(args):
     """Everything besides the policy and the prompts that can change a generation."""
     return {"max_completion_length": args.max_completion_length, "do_sample": args.do_sample,
             "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            "eval_batch_size": args.eval_batch_size, "dtype": args.dtype, "attn_implementation": args.attn_implementation}
+            "eval_batch_size": args.eval_batch_size, "dtype": args.dtype, "attn_implementation": args.attn_implementation,
+            **({"use_vllm": True, "vllm_dtype": args.vllm_dtype} if args.use_vllm else {})}  # vLLM draws other samples
 
 
 def cache_file(path, prompts, args):
@@ -513,8 +515,15 @@ def generate_responses(path, name, raw_prompts, args):
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
     settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                                                 args.eval_batch_size, **settings)
+    if args.use_vllm:  # an engine for this policy (vllm_rollouts.py); every prompt its own request, seeded by --seed
+        longest = data.encode_prompts(tokenizer, prompts)[0].shape[1]
+        llm = vllm_rollouts.start_engine(model, tokenizer, args, longest + args.max_completion_length)
+        responses, truncated, completion_ids = vllm_rollouts.sample_texts(llm, model, tokenizer, prompts,
+                                                                          args.max_completion_length, args.seed, **settings)
+        vllm_rollouts.shutdown(llm)
+    else:
+        responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
+                                                                     args.eval_batch_size, **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
     checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
@@ -589,6 +598,8 @@ def main():
     if args.num_bootstrap < 1 or args.num_prompts < 0 or args.num_samples < 0 or not 0 <= args.tie_margin < 0.5:
         common.fail("--num_bootstrap must be at least 1, --num_prompts and --num_samples at least 0, "
                     "and --tie_margin in [0, 0.5).")
+    if args.use_vllm:  # the policies' responses (greedy, or --do_sample, --num_samples) from a vLLM engine
+        vllm_rollouts.check_args(args)
     kind, judge_arg = parse_judge(args.judge)
     methods = parse_methods(args.policies)
     ks = pass_ks(args) if args.num_samples else []

@@ -208,23 +208,6 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask
     return torch.clamp(rho, max=cap) if mode.endswith("truncate") else rho.masked_fill(rho > cap, 0.0)
 
 
-def sampling_gap_metrics(old_logprobs, sampling_logprobs, completion_mask, weights):
-    """How far the sampler's log-probs are from the trainer's on the sampled tokens, under TRL's
-    names: |old_logp - vllm_logp| mean and max, the IS weights' min/mean/max, and the per-token
-    k3 estimate of KL(pi_vLLM || pi_old) on pi_vLLM's samples (no TRL name: `sampling/kl`)."""
-    keep = completion_mask.bool()
-    delta = (old_logprobs - sampling_logprobs)[keep]  # (T,) log rho of every real token
-    flat = weights.flatten() if weights.shape[1] == 1 else weights[keep]
-    empty = torch.zeros(1, device=delta.device)
-    delta, flat = (delta, flat) if delta.numel() else (empty, empty)
-    return {"sampling/sampling_logp_difference/mean": delta.abs().mean(),
-            "sampling/sampling_logp_difference/max": delta.abs().max(),
-            "sampling/kl": (torch.exp(delta) - delta - 1).mean(),  # k3 with r = pi_old / pi_vLLM
-            "sampling/importance_sampling_ratio/min": flat.min(),
-            "sampling/importance_sampling_ratio/mean": flat.mean(),
-            "sampling/importance_sampling_ratio/max": flat.max()}
-
-
 # ============================================================================ loss
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, args,
               num_sequences=None, num_tokens=None, is_weights=None):
@@ -543,6 +526,7 @@ def main():
                                 "attention_mask": attention_mask, "completion_mask": completion_mask, "reward": reward,
                                 "ref_logprobs": ref_logprobs, "old_logprobs": None,
                                 "sampling_logprobs": sampling_logprobs, "is_weights": None, "gap": {}})
+            vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the update
             # 4. group-relative advantages (groups with equal rewards carry no signal) and the loss's
             # normalisers, over the whole optimizer batch: every micro-batch, every rank
             advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards)
@@ -568,10 +552,12 @@ def main():
                 # --use_vllm: the trainer's log-probs (pi_old, also with --num_iterations > 1, as in TRL)
                 # against the engine's, and the importance weights that correct for the gap
                 if mb["sampling_logprobs"] is not None:
-                    weights = importance_sampling_weights(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
-                                                          args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
-                    mb["gap"] = sampling_gap_metrics(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"], weights)
-                    mb["is_weights"] = weights if args.vllm_importance_sampling_correction else None
+                    # (not `weights`: that name holds the rewards' weights for the next rollout)
+                    is_weights = importance_sampling_weights(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
+                                                             args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+                    mb["gap"] = vllm_rollouts.gap_metrics(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
+                                                          is_weights)
+                    mb["is_weights"] = is_weights if args.vllm_importance_sampling_correction else None
             loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                       mb["completion_mask"], args, num_sequences, num_tokens, mb["is_weights"])
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
@@ -605,11 +591,13 @@ def main():
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
-    vllm_rollouts.shutdown(llm)  # before anything tears the process group down
 
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
+    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
+    # the process group down (vLLM's own cleanup fails once the default group is gone)
+    vllm_rollouts.shutdown(llm)
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),

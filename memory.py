@@ -204,6 +204,22 @@ def generation_plan(config, sequences, prompt_length, completion_length, nbytes)
     return cache + prefill + 3 * sequences * config.vocab_size * 4
 
 
+def vllm_engine_plan(args, config, numels, buffers, sequences, prompt_length, completion_length):
+    """--use_vllm: the engine's row. On a CUDA GPU vLLM reserves --vllm_gpu_memory_utilization of
+    its memory (its weights, in --vllm_dtype, plus as much KV cache as fits) and holds it all run
+    long; elsewhere the plan shows the least the engine needs: its weights and one rollout's KV
+    cache (2 x layers x kv width per token), and says what a GPU would reserve."""
+    nb = common.torch_dtype(args.vllm_dtype or args.dtype).itemsize
+    least = (sum(numels) + buffers) * nb + 2 * config.num_hidden_layers * _kv_width(config) * nb * sequences * (
+        prompt_length + completion_length)
+    sleep = "; freed during each update (--vllm_enable_sleep_mode)" if args.vllm_enable_sleep_mode else ""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return ("vLLM engine", int(args.vllm_gpu_memory_utilization * total),
+                f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} of this GPU's {gb(total):.0f} GB "
+                f"(its weights + KV cache; at least {gb(least):.3f} GB){sleep}")
+    return ("vLLM engine", least, f"its weights + one rollout's KV cache; on a GPU it reserves "
+            f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} of the GPU's memory{sleep}")
 
 
 def estimate_memory(args, *, train_sequences, prompt_length, completion_length, head="lm", reference=None,
@@ -222,6 +238,7 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
                             training forward (a micro-batch);
       generation_sequences  sequences sampled at once, `generation_length` new tokens each;
       offload               frozen models wait on the CPU (--offload_frozen).
+    With --use_vllm the engine samples instead (vllm_engine_plan): its row replaces the rollout.
 
     Static rows (weights, gradients, optimizer states, frozen models) are exact counts from the
     config; the last row is the larger of the training micro-batch (activations + one chunk of
@@ -278,6 +295,10 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     if reward_models is not None:
         rows.append(("reward model", 0 if offload else reward_bytes,
                      ", ".join(notes) + where if notes else f"none: {reward_note}"))
+
+    if getattr(args, "use_vllm", False) and generation_sequences:  # the engine samples, within its own memory
+        rows.append(vllm_engine_plan(args, config, numels, buffers, generation_sequences, P, gen_len))
+        generation_sequences = 0
 
     # the largest transient: a training micro-batch, a rollout, or the optimizer step's fp32 bucket
     logits = logits_plan(config, train_sequences * C) if head == "lm" else 0  # a score head has no vocabulary

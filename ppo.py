@@ -51,12 +51,17 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
   it cannot share the actor's base, but it can share R_psi's. With
   --reward_fn the critic's base is a second copy of the policy (--model). With a quantised base,
   pi_ref and R_psi are the 4- or 8-bit versions of the SFT policy and the reward model.
+- --use_vllm samples the rollout with a vLLM engine (vllm_rollouts.py, as grpo.py does). pi_old
+  is still the trainer's own forward pass (ratio == 1 at the first update, as above); the gap
+  between the engine's log-probs and it is logged (`sampling/*`), not corrected: TRL's PPO has no
+  vLLM sampling, and so no importance-sampling correction to follow (grpo.py has TRL's).
 
 Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
     torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
+    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
 """
 
 import dataclasses
@@ -73,6 +78,7 @@ import memory
 import parallel
 import sampling
 import tracking
+import vllm_rollouts
 from common import SamplingArgs
 
 # what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)
@@ -338,7 +344,7 @@ def main():
         common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
                     "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
     if args.use_vllm:
-        common.fail("--use_vllm: ppo.py does not sample with vLLM yet (grpo.py and dpo.py --online do); drop the flag.")
+        vllm_rollouts.check_args(args)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
@@ -393,6 +399,8 @@ def main():
     both = torch.nn.ModuleDict({"policy": policy, "critic": critic})
     optimizer = common.make_optimizer(both, args)
     updates_per_step = args.num_ppo_epochs * args.num_mini_batches
+    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
+    llm = vllm_rollouts.start_engine(policy, tokenizer, args, args.max_prompt_length + args.max_completion_length) if args.use_vllm else None
     scheduler = common.make_scheduler(optimizer, dataclasses.replace(
         args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
     # --resume: policy weights, critic, optimizer (both models), scheduler and RNG; 0 if not resuming
@@ -410,11 +418,16 @@ def main():
         prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
         chunks = []
+        sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, policy)} if llm is not None else {}
         for s in range(0, rollout_batch, args.batch_size):
-            c_ids, c_mask, truncated = sampling.generate(
-                policy, tokenizer, prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size],
-                args.max_completion_length, temperature=args.temperature, **common.sampling_kwargs(args, step, s))
-            chunks.append((c_ids, c_mask, truncated))
+            p_ids, p_mask, knobs = prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size], common.sampling_kwargs(args, step, s)
+            if llm is None:
+                chunks.append(sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length,
+                                                temperature=args.temperature, **knobs))
+            else:  # --use_vllm: the same contract, plus the engine's log-probs of its samples
+                chunks.append(vllm_rollouts.generate(llm, policy, tokenizer, p_ids, p_mask, args.max_completion_length,
+                                                     temperature=args.temperature, **knobs))
+        vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the update
         width = max(c[0].shape[1] for c in chunks)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                  "completion_ids": torch.cat([pad_right(c[0], width, tokenizer.pad_token_id) for c in chunks]),
@@ -437,6 +450,10 @@ def main():
                                                                      mb["completion_ids"], mb["completion_mask"], args.temperature))
             ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
             old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
+            # --use_vllm: the trainer's log-probs (pi_old, which the ratio and the KL use) against the engine's;
+            # logged, not corrected (TRL's PPOTrainer samples with no vLLM and so has no correction to follow)
+            gap = vllm_rollouts.gap_metrics(old_logprobs, torch.cat([pad_right(c[3], width) for c in chunks]),
+                                            batch["completion_mask"]) if llm is not None else {}
             # a verifier on the text (with the dataset's other columns), or R_psi centred by the mean
             # score on chosen responses
             texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
@@ -495,7 +512,7 @@ def main():
             "kl": kl.sum(1).mean(), **tracking.mean_metrics(stats),
             "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
             "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
-            "grad_norm": grad_norm, "step_time": time.time() - t0,
+            "grad_norm": grad_norm, "step_time": time.time() - t0, **gap, **sync_metrics,
             **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()}},  # the reward function's log_metric
             num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
@@ -518,6 +535,9 @@ def main():
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(policy, tokenizer, args)
+    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
+    # the process group down (vLLM's own cleanup fails once the default group is gone)
+    vllm_rollouts.shutdown(llm)
     if truncated_counts["completions_truncated"]:
         print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")

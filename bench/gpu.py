@@ -25,7 +25,7 @@ Run:
     python bench/gpu.py                # on the GPU machine
     python bench/gpu.py --stages grpo_qlora_7b,dpo_qlora_7b   # QLoRA on the 7B shape
     python bench/gpu.py --tiny         # a 2-minute check of the whole path on the CPU
-    .venv-vllm/bin/python bench/gpu.py --stages grpo,grpo_vllm   # GRPO with and without vLLM rollouts
+    .venv-vllm/bin/python bench/gpu.py --stages grpo,grpo_vllm,grpo_vllm_sleep   # GRPO with and without vLLM rollouts
 """
 
 import argparse
@@ -50,7 +50,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6,
             max_position_embeddings=1024)
 TARGET_GB = {"dpo": 12, "grpo": 18, "ppo": 40, "grpo_qlora_7b": 16, "dpo_qlora_7b": 16,  # peak-memory targets on the GPU
-             "grpo_vllm": 33}  # grpo's 18 + the engine's 0.1 of an H200's 141 GB (a guess until measured)
+             "grpo_vllm": 33, "grpo_vllm_sleep": 33}  # grpo's 18 + the engine's 0.1 of an H200's 141 GB (a guess until measured)
 QLORA = dict(use_peft=True, load_in_4bit=True)
 
 # per stage: flags beyond --model/--dataset/--max_steps/--output_dir, and how many sequences
@@ -67,6 +67,12 @@ STAGES = {
     "grpo_vllm": dict(script="grpo", flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True, beta=0.04,
                                                 learning_rate=1e-6, use_vllm=True, vllm_gpu_memory_utilization=0.1),
                       sequences=lambda f: f["batch_size"] * f["num_generations"]),
+    # the same with vLLM's sleep mode (--vllm_enable_sleep_mode): the engine frees its weights and KV cache
+    # during each update; the device peak (nvidia-smi) shows what that saves
+    "grpo_vllm_sleep": dict(script="grpo", flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True,
+                                                      beta=0.04, learning_rate=1e-6, use_vllm=True,
+                                                      vllm_gpu_memory_utilization=0.1, vllm_enable_sleep_mode=True),
+                            sequences=lambda f: f["batch_size"] * f["num_generations"]),
     # QLoRA on the 7B shape: a 4-bit base, LoRA r=16 adapters, the reference is the base with adapters off
     "grpo_qlora_7b": dict(script="grpo", shape=QWEN25_7B,
                           flags=dict(batch_size=2, num_generations=8, gradient_checkpointing=True, beta=0.04,
@@ -167,10 +173,22 @@ def stage_command(stage, paths, data, args, prompt_len, completion_len, out):
     return cmd, flags
 
 
+def device_used_bytes():
+    """Memory in use on GPU 0 as nvidia-smi reports it (every process, the CUDA context and vLLM's
+    own allocations included, which torch.cuda.max_memory_allocated does not see), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.strip().splitlines()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def run_stage(cmd, out, log, timeout):
-    """Run a script; record when each line of metrics.jsonl appears (one per step)."""
+    """Run a script; record when each line of metrics.jsonl appears (one per step) and the
+    device's peak memory in use (nvidia-smi, polled every 0.5 s)."""
     metrics = os.path.join(out, "metrics.jsonl")
-    start, stamps = time.perf_counter(), []
+    start, stamps, polls, device_peak = time.perf_counter(), [], 0, None
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "TQDM_DISABLE": "1"})
@@ -184,12 +202,16 @@ def run_stage(cmd, out, log, timeout):
                 with open(metrics) as m:
                     n = sum(1 for _ in m)
                 stamps += [time.perf_counter() - start] * (n - len(stamps))
+            polls += 1
+            if polls % 10 == 0:
+                used = device_used_bytes()
+                device_peak = used if device_peak is None or (used or 0) > device_peak else device_peak
     rows = []
     if os.path.exists(metrics):
         with open(metrics) as m:
             rows = [json.loads(line) for line in m]
     stamps += [time.perf_counter() - start] * (len(rows) - len(stamps))
-    return proc.returncode, time.perf_counter() - start, stamps, rows
+    return proc.returncode, time.perf_counter() - start, stamps, rows, device_peak
 
 
 def plan_total_gb(cmd):
@@ -239,9 +261,10 @@ def main():
         stage_paths = paths_7b if STAGES[stage].get("shape") is QWEN25_7B else paths
         cmd, flags = stage_command(stage, stage_paths, data, args, prompt_len, completion_len, out)
         plan_gb, plan_text = plan_total_gb(cmd)
-        rc, wall, stamps, rows = run_stage(cmd, out, out + ".log", args.stage_timeout)
+        rc, wall, stamps, rows, device_peak = run_stage(cmd, out, out + ".log", args.stage_timeout)
         r = {"command": " ".join(cmd[1:]).replace(ROOT + "/", ""), "returncode": rc, "wall_seconds": wall,
-             "plan_total_gb": plan_gb, "plan": plan_text}
+             "plan_total_gb": plan_gb, "plan": plan_text,
+             "device_peak_gb": None if device_peak is None else device_peak / 2**30}
         if rc != 0:
             with open(out + ".log") as f:
                 r["error"] = f.read()[-3000:]
@@ -269,10 +292,12 @@ def main():
     lines = [f"# GPU benchmark: {device}", "",
              f"Qwen2.5-1.5B shape (`*_qlora_7b`: Qwen2.5-7B shape){' (TINY check)' if args.tiny else ''}, random weights, prompt {prompt_len} + "
              f"completion {completion_len} tokens, {args.steps} steps per stage.", "",
-             "| stage | peak GB (measured) | plan GB (--estimate_memory) | target GB | s/step | tokens/s | command |",
-             "|---|---|---|---|---|---|---|"]
+             "| stage | peak GB (measured) | device peak GB (nvidia-smi) | plan GB (--estimate_memory) | target GB | s/step | tokens/s | command |",
+             "|---|---|---|---|---|---|---|---|"]
     for stage, r in results["stages"].items():
-        lines.append(f"| {stage} | {r.get('peak_gb', float('nan')):.2f} | {r.get('plan_total_gb')} | {TARGET_GB.get(stage)} | "
+        device_gb = r.get("device_peak_gb")
+        lines.append(f"| {stage} | {r.get('peak_gb', float('nan')):.2f} | {'-' if device_gb is None else f'{device_gb:.2f}'} | "
+                     f"{r.get('plan_total_gb')} | {TARGET_GB.get(stage)} | "
                      f"{r.get('seconds_per_step', float('nan')):.2f} | {r.get('tokens_per_second', float('nan')):.0f} | "
                      f"`{r.get('command', r.get('error', ''))}` |")
     with open(output + ".md", "w") as f:

@@ -174,3 +174,34 @@ def test_a_fork_plans_and_trains_under_its_own_name(tmp_path, tiny_qwen):
     with open(out / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2]
     assert os.path.exists(out / "summary.json") and os.path.exists(out / "model.safetensors")
+
+
+def test_estimate_memory_with_use_vllm_shows_the_engine(qwen15_config, monkeypatch, capsys):
+    """--use_vllm: the engine gets its row (its weights + one rollout's KV cache here, without a
+    GPU; the share of the GPU on one), and the project's own sampler no longer counts. The plan
+    needs no vLLM (it exits before the engine is imported)."""
+    import grpo
+    from conftest import run_main
+
+    def plan(*flags):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            run_main(grpo, ["--model", qwen15_config, "--dtype", "bfloat16", "--batch_size", "2",
+                            "--max_completion_length", "4096", "--gradient_checkpointing", "--estimate_memory", *flags],
+                     monkeypatch)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        return out, {m.group(1): float(m.group(2)) for m in
+                     (re.match(r"(.+?)\s{2,}(\d+\.\d+)\s+\d+\.\d+", line) for line in out.splitlines()) if m}
+
+    plain, rows = plan()
+    engine, vrows = plan("--use_vllm", "--vllm_dtype", "float32")
+    assert "vLLM engine" not in rows and "vLLM engine" in vrows
+    # fp32 engine: 1.544B x 4 bytes = 5.75 GB, plus 16 x 4608 tokens x 28 layers x 2 x 256 x 4 bytes of cache
+    kv = 2 * 28 * 256 * 4 * 16 * (512 + 4096) / 2**30
+    if not torch.cuda.is_available():
+        assert vrows["vLLM engine"] == pytest.approx(5.75 + kv, abs=0.02)
+        assert "--vllm_gpu_memory_utilization 0.3" in engine
+    assert vrows["activations"] <= rows["activations"] and "generation: KV cache" not in engine  # the engine's now
+    assert {k: v for k, v in vrows.items() if k not in ("vLLM engine", "activations", "total")} == \
+           {k: v for k, v in rows.items() if k not in ("activations", "total")}

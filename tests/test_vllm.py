@@ -222,9 +222,85 @@ def test_dpo_online_use_vllm_end_to_end(tiny_qwen, tmp_path, monkeypatch):
     assert len(rows) == 2 and all(r["vllm/sync_seconds"] >= 0 for r in rows)
 
 
-def test_ppo_refuses_use_vllm(tiny_qwen, tmp_path, monkeypatch, capsys):
+@needs_vllm
+def test_ppo_use_vllm_end_to_end(tiny_qwen, tmp_path, monkeypatch):
+    """ppo.py --use_vllm through main(): at every step the fp32 engine's log-probs of its samples
+    equal the trainer's pi_old to 1e-5 (the weights of the last optimizer step were synced in),
+    logged under TRL's names; the policy did move away from the reference."""
     import ppo
-    from conftest import main_error
 
-    message = main_error(ppo, ["--model", tiny_qwen, "--use_vllm", "--output_dir", str(tmp_path / "p")], monkeypatch, capsys)
-    assert "ppo.py does not sample with vLLM yet" in message
+    out = tmp_path / "ppo"
+    run_main(ppo, ["--model", tiny_qwen, "--reward_fn", "gold", "--use_vllm", "--vllm_dtype", "float32",
+                   "--max_steps", "3", "--batch_size", "4", "--max_completion_length", "8", "--optim", "adamw",
+                   "--learning_rate", "1e-3", "--output_dir", str(out)], monkeypatch)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["sampling/sampling_logp_difference/max"] <= 1e-5 and r["sampling/kl"] <= 1e-6
+        assert r["vllm/sync_seconds"] >= 0
+    assert rows[-1]["kl"] > 1e-3  # the policy moved: an engine left at step 0 would fail the 1e-5 above
+    assert (out / "summary.json").exists()
+
+
+@needs_vllm
+def test_eval_use_vllm_greedy_responses_equal_the_projects(tiny_qwen, tmp_path, monkeypatch):
+    """eval.py --use_vllm: an fp32 engine's greedy responses are the project sampler's, word for
+    word, on a policy whose greedy output varies from prompt to prompt."""
+    import eval as eval_script
+
+    model, tok = _load(tiny_qwen)
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights: peaked, varied next-token distributions
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5)
+    sharp = str(tmp_path / "sharp")
+    model.save_pretrained(sharp)
+    tok.save_pretrained(sharp)
+    out = {}
+    for name, flags in (("project", []), ("vllm", ["--use_vllm", "--vllm_dtype", "float32"])):
+        run_main(eval_script, [f"a={sharp}", "--num_prompts", "24", "--max_completion_length", "12",
+                               "--output_dir", str(tmp_path / name), *flags], monkeypatch)
+        out[name] = [json.loads(line)["responses"]["a"] for line in open(tmp_path / name / "generations.jsonl")]
+    assert len(out["vllm"]) == 24 and len(set(out["vllm"])) > 12  # varied, not one repeated string
+    assert out["vllm"] == out["project"]
+
+
+def test_sleep_mode_is_refused_where_the_platform_has_none():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (check_args stops earlier, at the install)")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip(f"{current_platform.device_name} has vLLM's sleep mode")
+    with pytest.raises(SystemExit, match="no sleep mode on this platform"):
+        vllm_rollouts.check_args(types.SimpleNamespace(min_p=0.0, top_p=1.0, vllm_enable_sleep_mode=True))
+
+
+@needs_vllm
+def test_two_gloo_ranks_with_fsdp2_match_the_trainer_and_resume_exactly(tiny_qwen, tmp_path):
+    """grpo.py --use_vllm under torchrun, 2 gloo ranks, the policy sharded with FSDP2 (gathered for
+    the engine every step): every rank's fp32 engine matches the trainer to 1e-5 after each
+    optimizer step, and a run resumed from checkpoint-1 samples and trains exactly as the
+    uninterrupted one (the rewards' weights included: they once took the IS weights' name)."""
+    from safetensors.torch import load_file
+    from test_distributed import _finish, _launch, _metrics
+
+    argv = ["grpo.py", "--model", tiny_qwen, "--use_vllm", "--vllm_dtype", "float32", "--max_steps", "3",
+            "--num_generations", "4", "--max_completion_length", "8", "--learning_rate", "1e-3", "--optim", "adamw",
+            "--batch_size", "2", "--save_steps", "1", "--eval_batch_size", "200", "--parallel", "fsdp2"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    assert _finish(_launch(argv + ["--output_dir", full], nproc=2, env=env)).count("grpo: ") >= 1
+    rows = [r for r in _metrics(full) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sampling/sampling_logp_difference/max"] <= 1e-5 for r in rows)
+    assert rows[-1]["kl"] > 0  # the policy moved, and the engines followed it
+    out = _finish(_launch(argv + ["--output_dir", resumed, "--resume_from_checkpoint", f"{full}/checkpoint-1"],
+                          nproc=2, env=env))
+    assert "at step 1" in out
+    drop = ("step_time", "num_tokens", "vllm/sync_seconds")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in _metrics(resumed)] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in _metrics(full)[1:]]
+    wa, wb = load_file(f"{full}/model.safetensors"), load_file(f"{resumed}/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
