@@ -119,11 +119,11 @@ def main():
         common.fail("--use_peft trains adapters on a pretrained base: pass --model (e.g. runs/sft).")
     if from_scratch:
         common.check_choice("--scratch_tokenizer", args.scratch_tokenizer, ["", "char", "word"])
+        # the arithmetic world with a calculator has its own chat template (tool calls and replies)
+        template = world_arith.CHAT_TEMPLATE if args.dataset == common.ARITH_TOOLS else None
         if args.dataset == common.EMBEDDED and not args.scratch_tokenizer:
             tokenizer = world.build_tokenizer()  # the world's whole lexicon, not only the words its data uses
         else:  # a tokenizer fitted to the training text: every character, or every word, it contains
-            # the arithmetic world with a calculator has its own chat template (tool calls and replies)
-            template = world_arith.CHAT_TEMPLATE if args.dataset == common.ARITH_TOOLS else None
             if not template and any(not isinstance(p, str) or not isinstance(c, str) for p, c in pairs):
                 common.fail("a from-scratch tokenizer has no chat template: pass prompt/completion as plain text, or --model.")
             texts = [t for pair in pairs for t in pair]
