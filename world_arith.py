@@ -238,16 +238,11 @@ def tool_call_text(numbers):
 
 def tool_schemas():
     """The `tools` column's value: the calculator's JSON schema, as tools.load_tools and TRL build it."""
-    import importlib.util
-    import os
-
     from transformers.utils import get_json_schema
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), TOOL_FILE)
-    spec = importlib.util.spec_from_file_location("calculator", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [get_json_schema(module.add)]
+    import calculator
+
+    return [get_json_schema(calculator.add)]
 
 
 def with_tools(sft, rl, test, seed):
