@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-rlvr demo-rlvr-vllm demo-code test test-lower-bounds vllm-env test-vllm mutants clean
+.PHONY: install demo demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-lower-bounds vllm-env test-vllm mutants clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -72,6 +72,17 @@ demo-rlvr-vllm: install vllm-env
 	rm -rf runs/grpo_arith_vllm
 	VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python sweep.py grpo.py --seeds 0,1,2 --use_vllm False,True --output_dir runs/grpo_arith_vllm -- --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0
 	.venv-vllm/bin/python eval.py sft=runs/sft_arith 'project=runs/grpo_arith_vllm/use_vllmFalse/seed*' 'vllm=runs/grpo_arith_vllm/use_vllmTrue/seed*' --dataset embedded:arith --reward_fn arith_strict --group_by carry_trap --output_dir runs/eval_arith_vllm
+
+# The arithmetic world with a calculator tool (world_arith.py, embedded:arith_tools; calculator.py): SFT from
+# scratch on demonstrations that call the tool on some problems (and make the carry error when they don't),
+# then GRPO with --tools and the strict verifier over three training seeds, then accuracy with and without the
+# tool, the share of problems where it is called and the calls' failure rate, with CIs over prompts and over
+# seeds + prompts (studies/arith_tools.py; README, "Tools: multi-turn rollouts in grpo.py"). Not part of `demo`.
+demo-tools: install
+	$(PYTHON) sft.py --dataset embedded:arith_tools --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith_tools --overwrite_output_dir
+	rm -rf runs/grpo_arith_tools
+	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_arith_tools -- --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools calculator.py:add --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0
+	$(PYTHON) studies/arith_tools.py sft=runs/sft_arith_tools 'grpo=runs/grpo_arith_tools/grpo/seed*' --output_dir runs/eval_arith_tools
 
 # Execution-verified RL on the code world (world_code.py): SFT from scratch on a noisy demonstrator's
 # code, then GRPO with the strict execution verifier (sandbox.py: 1 when the code passes all the

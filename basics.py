@@ -19,6 +19,7 @@ import world_code
 # ============================================================================ names
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
+ARITH_TOOLS = world_arith.TOOLS_SPEC  # --dataset embedded:arith_tools: the arithmetic world with a calculator tool
 CODE = world_code.SPEC  # --dataset embedded:code selects the code world (world_code.py)
 CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in common.optimizer_step and parallel's all-reduce (256 MB of fp32 weights)
@@ -95,18 +96,20 @@ def embedded_world(seed=0):
 
 
 def arith_split(spec, split, seed=0):
-    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS] (built once per process)."""
+    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS], or of the world with
+    a calculator tool, embedded:arith_tools (built once per process)."""
     try:
-        levels = world_arith.parse_spec(spec)
+        levels = (1,) if spec == ARITH_TOOLS else world_arith.parse_spec(spec)
     except ValueError as e:
         fail(str(e))
     if levels is None:
-        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains) or {ARITH}:1,2 (both levels).")
+        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains), {ARITH}:1,2 (both levels) "
+             f"or {ARITH_TOOLS} (with a calculator tool).")
     if split not in ("sft", "rl", "test"):
         fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only sft, rl, test): it is a world "
              "for SFT and RL with verifiers, not for preference pairs.")
     if (spec, seed) not in _WORLD_CACHE:
-        _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels)
+        _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels, tools=spec == ARITH_TOOLS)
     return _WORLD_CACHE[spec, seed][split]
 
 

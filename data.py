@@ -210,18 +210,20 @@ def render_completion(tokenizer, prompt, completion):
     return full[len(head):]
 
 
-def render_turns(tokenizer, prompt, completion):
+def render_turns(tokenizer, prompt, completion, tools=None):
     """The completion as [(text, trained), ...] segments after the rendered prompt (TRL's
     assistant_only_loss): a string is one trained segment; messages alternate trained assistant
     turns (as the chat template writes them, end-of-turn token included) and masked others
-    (user/tool turns and the next generation prompt). Joined, the texts are render_completion's."""
+    (user/tool turns and the next generation prompt). Joined, the texts are render_completion's.
+    `tools`: JSON schemas for the template, as render_prompt's (a row's `tools` column)."""
     if isinstance(completion, str):
         return [(completion, True)]
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     msgs = prompt + completion
 
     def upto(k, gen):  # the conversation's first k messages, rendered
-        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, **basics.CHAT_TEMPLATE_KWARGS)
+        return tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=gen, tools=tools,
+                                             **basics.CHAT_TEMPLATE_KWARGS)
 
     segments, done = [], upto(len(prompt), True)
     for k in range(len(prompt), len(msgs)):

@@ -13,12 +13,17 @@ Departures from the paper and from TRL:
   arithmetic and code worlds, a .jsonl) with a character- or word-level tokenizer fitted to the training
   text (--scratch_tokenizer). All are byte-level BPEs that AutoTokenizer loads exactly (scratch.py).
 - `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
+- A `tools` column (TRL's): each row's JSON schemas go to the chat template's `tools=` argument,
+  as grpo.py --tools renders its prompts; None in a row: no tools listed. On embedded:arith_tools
+  the from-scratch tokenizer gets the world's chat template (world_arith.CHAT_TEMPLATE) and is
+  fitted to the conversations as it renders them, so it holds every character the template writes.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
 
 Run:
     python sft.py                                   # embedded world, from scratch -> runs/sft
     python sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --output_dir runs/sft_arith
+    python sft.py --dataset embedded:arith_tools --hidden_size 128 --num_layers 4 --output_dir runs/sft_arith_tools
     python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara
 """
 
@@ -35,6 +40,7 @@ import sampling
 import scratch
 import tracking
 import world
+import world_arith
 from common import TrainArgs
 
 # what training the embedded world's tiny policy from scratch needs (common.apply_defaults)
@@ -107,19 +113,30 @@ def main():
     # ---- data, then the model and tokenizer (a from-scratch tokenizer is fitted to the data)
     ds = data.training_data(args, script)
     pairs = data.sft_pairs(ds, args.dataset)
+    row_tools = list(ds["tools"]) if "tools" in ds.column_names else [None] * len(pairs)  # TRL's `tools` column
     from_scratch = args.model == ""
     if from_scratch and args.use_peft:
         common.fail("--use_peft trains adapters on a pretrained base: pass --model (e.g. runs/sft).")
     if from_scratch:
         common.check_choice("--scratch_tokenizer", args.scratch_tokenizer, ["", "char", "word"])
+        # the arithmetic world with a calculator has its own chat template (tool calls and replies)
+        template = world_arith.CHAT_TEMPLATE if args.dataset == common.ARITH_TOOLS else None
         if args.dataset == common.EMBEDDED and not args.scratch_tokenizer:
             tokenizer = world.build_tokenizer()  # the world's whole lexicon, not only the words its data uses
         else:  # a tokenizer fitted to the training text: every character, or every word, it contains
-            if any(not isinstance(p, str) or not isinstance(c, str) for p, c in pairs):
+            if not template and any(not isinstance(p, str) or not isinstance(c, str) for p, c in pairs):
                 common.fail("a from-scratch tokenizer has no chat template: pass prompt/completion as plain text, or --model.")
+            texts = [t for pair in pairs for t in pair]
+            if template:  # each conversation (with its row's tools) as the template renders it
+                from transformers.utils.chat_template_utils import render_jinja_template
+
+                texts = [render_jinja_template([p + c], tools=t, chat_template=template)[0][0]
+                         for (p, c), t in zip(pairs, row_tools)]
             level = args.scratch_tokenizer or ("char" if args.dataset.startswith(common.ARITH) or args.dataset == common.CODE else "word")
-            tokenizer = scratch.fit_tokenizer([t for pair in pairs for t in pair], level)
-        model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed, texts=[p + c for p, c in pairs])
+            tokenizer = scratch.fit_tokenizer(texts, level)
+            tokenizer.chat_template = template
+        model = scratch.build_model(tokenizer, args.hidden_size, args.num_layers, args.seed,
+                                    texts=texts if template else [p + c for p, c in pairs])
         model = model.to(device=device, dtype=common.torch_dtype(args.dtype))
         if args.gradient_checkpointing:
             common.enable_checkpointing(model)
@@ -131,8 +148,8 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- the (prompt, completion) pairs rendered to text
-    prompts = [data.render_prompt(tokenizer, p) for p, _ in pairs]
-    turns = [data.render_turns(tokenizer, p, c) for p, c in pairs]  # [(text, trained), ...] per example
+    prompts = [data.render_prompt(tokenizer, p, t) for (p, _), t in zip(pairs, row_tools)]
+    turns = [data.render_turns(tokenizer, p, c, t) for (p, c), t in zip(pairs, row_tools)]  # [(text, trained), ...] per example
     completions = ["".join(t for t, _ in segments) for segments in turns]
     data.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
     eval_ds = data.eval_data(args)

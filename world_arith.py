@@ -25,8 +25,24 @@ It plays the part of a math dataset with worked solutions and a final-answer che
 The splits `sft` / `rl` / `test` hold disjoint problems. Every text is made of 16 characters, so
 the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python sft.py
 --dataset embedded:arith`).
+
+**With a calculator tool** (`--dataset embedded:arith_tools`, level 1; grpo.py `--tools
+calculator.py:add`): the same problems, as conversations, and a chat template of the world's own
+(CHAT_TEMPLATE) that tools.py's real path renders: the `tools=` argument lists the tools' names
+(`T:add` on a line before the question; not their JSON schemas, which would fill a char-level
+model's 256 positions), and a call is Qwen2.5's `<tool_call>{json}</tool_call>` in the assistant
+turn, with compact JSON. An exchange, as the model reads it (<eos> ends each of its turns):
+    T:add
+    Q: 47+38=<tool_call>{"name":"add","arguments":{"a":47,"b":38}}</tool_call><eos> R: 85 A: 85<eos>
+Half of the SFT prompts list the tool (LIST_PROB; a `tools` column of JSON schemas, as TRL's
+SFTTrainer reads it); on those the demonstrator calls it on CALL_PROB = 30% of problems, at
+random (it cannot tell the carry problems), and its tool-using demonstrations are right; on the
+others, and on every prompt that lists no tool, it writes the scratchpad with its errors. So
+imitation calls the tool on about 30% of samples and never greedily, and a verifier reward can
+teach the policy to call it where its scratchpad fails.
 """
 
+import json
 import random
 import re
 
@@ -36,6 +52,23 @@ PROMPT_TEMPLATE = "Q: {question}="  # the completion is the scratchpad, " ... A:
 NUMBERS_PER_LEVEL = {1: 2, 2: 3}  # level -> how many two-digit numbers are added
 SLIP_PROB = 0.2  # chance that a demonstration has one column off by one
 SPLIT_SIZES = {"sft": 5000, "rl": 2000, "test": 400}  # level 1 has 90 x 90 = 8100 problems in all
+TOOLS_SPEC = "embedded:arith_tools"  # --dataset value of the world with a calculator tool (level 1)
+TOOL_FILE = "calculator.py"  # its tool: --tools calculator.py:add
+LIST_PROB = 0.5  # chance that an SFT prompt lists the tool
+CALL_PROB = 0.3  # chance that the demonstrator calls it on a prompt that lists it
+# the world's chat template (transformers renders it with trim_blocks and lstrip_blocks): the tools'
+# names, then "Q: <question>=", the model's turns each closed by <eos>, a tool reply as " R: <reply>";
+# a conversation is a prefix of itself with tool replies added (tools.tool_turn_ids needs it), and
+# with no tools a prompt renders exactly as embedded:arith's "Q: 47+38="
+CHAT_TEMPLATE = (
+    "{% if tools %}T:{% for t in tools %}{{ t.function.name }}{% if not loop.last %},{% endif %}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}Q: {{ m.content }}="
+    "{% elif m.role == 'assistant' %}{{ m.content }}<eos>"
+    "{% elif m.role == 'tool' %} R: {{ m.content }}"
+    "{% endif %}{% endfor %}"
+)
 
 
 def parse_spec(spec):
@@ -116,7 +149,11 @@ _NUMBER = re.compile(r"\d+")
 
 
 def _text(completion):
-    return completion if isinstance(completion, str) else completion[-1]["content"]  # TRL: text or messages
+    """The text holding the final answer: a string as it is; of TRL's messages (a tool-using exchange
+    is assistant and tool turns), the last assistant turn."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def strict_answer(text):
@@ -146,13 +183,16 @@ VERIFIERS = {"arith_strict": arith_strict, "arith_lenient": arith_lenient}  # --
 
 
 # ---------------------------------------------------------------- datasets
-def build_world(seed=0, levels=(1,), sizes=None):
+def build_world(seed=0, levels=(1,), sizes=None, tools=False):
     """The world's splits as `datasets.Dataset`s in TRL's formats, every problem in one split only.
 
     - `sft`:  prompt + completion (the noisy demonstrator), plus `answer` (the true sum),
               `level`, `carry_trap` (the systematic error applies), `correct` (the demo's answer is);
     - `rl`:   prompt + `answer` (what the verifiers read), `level`, `carry_trap`;
     - `test`: prompt + `answer` + `reference` (the correct scratchpad), `level`, `carry_trap`.
+
+    `tools` (embedded:arith_tools): the same problems and demonstrations, made conversational and
+    given the calculator (with_tools).
     """
     sizes = {**SPLIT_SIZES, **(sizes or {})}
     rng = random.Random(seed)
@@ -183,9 +223,54 @@ def build_world(seed=0, levels=(1,), sizes=None):
         text, written, _slipped = demonstrate(rng, numbers)
         sft.append({**row(level, numbers), "completion": text, "correct": written == sum(numbers)})
     rl = [row(*fresh_problem()) for _ in range(sizes["rl"])]
+    if tools:
+        sft, rl, test = with_tools(sft, rl, test, seed)
     from datasets import Dataset  # a slow import: not for --help
 
     return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
+
+
+def tool_call_text(numbers):
+    """The demonstrator's call: Qwen2.5's format (tools.parse_tool_calls), compact JSON."""
+    arguments = dict(zip("ab", numbers))
+    return "<tool_call>" + json.dumps({"name": "add", "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
+
+
+def tool_schemas():
+    """The `tools` column's value: the calculator's JSON schema, as tools.load_tools and TRL build it."""
+    from transformers.utils import get_json_schema
+
+    import calculator
+
+    return [get_json_schema(calculator.add)]
+
+
+def with_tools(sft, rl, test, seed):
+    """embedded:arith_tools from the plain rows (module docstring): prompts become one user message
+    with the question; SFT rows get a `tools` column (the schemas, or None: no tool listed) and, where
+    the demonstrator calls the tool, the exchange [call, tool reply, " A: <sum>"] as the completion.
+    Its own random stream, so the problems and the scratchpads are those of embedded:arith."""
+    if any(len(r["prompt"].split("+")) != 2 for r in test + sft + rl):
+        raise ValueError(f"{TOOLS_SPEC} is level 1 (two numbers): the calculator adds two.")
+    rng, schemas = random.Random(seed + 7_919), tool_schemas()
+
+    def conversation(r):
+        return [{"role": "user", "content": r["prompt"][len("Q: "):-1]}]
+
+    out_sft = []
+    for r in sft:
+        listed = rng.random() < LIST_PROB
+        calls = listed and rng.random() < CALL_PROB
+        completion = [{"role": "assistant", "content": r["completion"]}]
+        if calls:
+            numbers = tuple(map(int, r["prompt"][len("Q: "):-1].split("+")))
+            completion = [{"role": "assistant", "content": tool_call_text(numbers)},
+                          {"role": "tool", "name": "add", "content": str(sum(numbers))},
+                          {"role": "assistant", "content": f" A: {sum(numbers)}"}]
+        out_sft.append({**r, "prompt": conversation(r), "completion": completion, "tools": schemas if listed else None,
+                        "correct": True if calls else r["correct"]})
+    return (out_sft, [{**r, "prompt": conversation(r)} for r in rl],
+            [{**r, "prompt": conversation(r)} for r in test])
 
 
 def world_stats(world):

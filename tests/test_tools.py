@@ -6,6 +6,8 @@ that renders tools the way Qwen2.5's does, built here; a tiny Qwen2 model).
 The tiny random model never writes a tool call by itself, so the tests that need calls replace
 sampling.generate with a script (`scripted_generate`): each turn's text is fixed, everything else
 (the loop, the sandbox, the template, the masks, grpo.py's log-probs and update) is the real code.
+The arithmetic world's calculator (embedded:arith_tools, calculator.py) goes through the same code
+with the world's own char-level tokenizer and chat template (the last tests).
 """
 
 import json
@@ -349,3 +351,125 @@ def test_tools_need_conversational_prompts(tmp_path, tiny_qwen, monkeypatch):
     with pytest.raises(SystemExit, match="--tools needs conversational prompts"):
         run_main(grpo, ["--model", tiny_qwen, "--dataset", str(tmp_path / "p.jsonl"), "--reward_fn", "arith_strict",
                         "--tools", f"{tmp_path}/calc.py:add", "--output_dir", str(tmp_path / "out")], monkeypatch)
+
+
+# ---------------------------------------------------------------- the arithmetic world's calculator (embedded:arith_tools)
+ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+
+def arith_tools_tokenizer(sft):
+    """The world's tokenizer as sft.py builds it from scratch: the characters of every conversation
+    as the world's chat template renders it (with its row's tools), and that template."""
+    import scratch
+    import world_arith as wa
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts = [render_jinja_template([r["prompt"] + r["completion"]], tools=r["tools"], chat_template=wa.CHAT_TEMPLATE)[0][0]
+             for r in sft]
+    tok = scratch.fit_tokenizer(texts, "char")
+    tok.chat_template = wa.CHAT_TEMPLATE
+    return tok, texts
+
+
+def test_arith_tools_demonstrations_round_trip():
+    """The demonstrator's calls are what tools.parse_tool_calls reads and the sandboxed calculator
+    answers; the reply turn SFT masks is what tools.tool_turn_ids appends in a rollout; the
+    tokenizer writes every character back; a prompt without tools is embedded:arith's."""
+    import world_arith as wa
+
+    sizes = {"sft": 400, "rl": 10, "test": 50}
+    world, plain = wa.build_world(seed=0, sizes=sizes, tools=True), wa.build_world(seed=0, sizes=sizes)
+    sft = world["sft"]
+    tok, texts = arith_tools_tokenizer(sft)
+    tool_list = tools.load_tools(f"{ROOT}/{wa.TOOL_FILE}:add")
+    schemas = [t.schema for t in tool_list]
+    assert all(tok.decode(tok(t, add_special_tokens=False)["input_ids"]) == t for t in texts)
+    assert [data.render_prompt(tok, r["prompt"]) for r in world["test"]] == plain["test"]["prompt"]
+    assert [r["completion"][0]["content"] for r in sft if len(r["completion"]) == 1] == \
+        [r["completion"] for r, t in zip(plain["sft"], sft) if len(t["completion"]) == 1]  # the same scratchpads
+    listed = [r for r in sft if r["tools"] is not None]
+    calling = [r for r in listed if len(r["completion"]) == 3]
+    assert all(r["tools"] == schemas for r in listed) and all(r["tools"] is not None for r in calling)
+    assert 0.4 < len(listed) / len(sft) < 0.6 and 0.2 < len(calling) / len(listed) < 0.4
+    after_stop = tools.glue_after_stop(tok, schemas, tok.eos_token)
+    for r in calling:
+        call, reply, final = r["completion"]
+        a, b = map(int, r["prompt"][0]["content"].split("+"))
+        assert tools.parse_tool_calls(call["content"]) == [{"name": "add", "arguments": {"a": a, "b": b}}]
+        assert (reply["role"], reply["name"], reply["content"]) == ("tool", "add", str(a + b))
+        assert wa.arith_strict(None, [r["completion"]], [r["answer"]]) == [1.0] and r["correct"]
+        segments = data.render_turns(tok, r["prompt"], r["completion"], r["tools"])
+        assert [trained for _, trained in segments] == [True, False, True]
+        assert tools.tool_turn_ids(tok, r["prompt"] + [call], [reply], schemas, after_stop) == \
+            tok(segments[1][0], add_special_tokens=False)["input_ids"]
+    replies = tools.execute([tools.parse_tool_calls(r["completion"][0]["content"])[0] for r in calling[:6]], tool_list)
+    assert replies == [("add", str(r["answer"]), False) for r in calling[:6]]
+
+
+def test_grpo_on_arith_tools_end_to_end(tmp_path, monkeypatch):
+    """grpo.py --dataset embedded:arith_tools --tools calculator.py:add --reward_fn arith_strict on a
+    tiny model with the world's tokenizer: a scripted policy calls the tool on every other sample
+    (with the problem's numbers, then copies the reply) and writes a wrong scratchpad on the others;
+    the sandboxed calculator answers, and the strict verifier reads the last assistant turn."""
+    import re
+
+    from conftest import run_main
+
+    import grpo
+    import scratch
+    import world_arith as wa
+
+    tok, texts = arith_tools_tokenizer(wa.build_world(seed=0, sizes={"sft": 200, "rl": 1, "test": 1}, tools=True)["sft"])
+    scratch.build_model(tok, hidden_size=32, num_layers=1).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    wrong = " 1+1=2 A: 0"
+
+    def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=1.0, num_return_sequences=1,
+                 seed=None, **kw):
+        contexts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(prompt_ids, prompt_mask)]
+        if num_return_sequences > 1:  # the first turn: a call with the problem's numbers, or a wrong scratchpad
+            turns = [wa.tool_call_text(tuple(map(int, re.search(r"Q: (\d+)\+(\d+)=", c).groups()))) if j % 2 == 0 else wrong
+                     for c in contexts for j in range(num_return_sequences)]
+        else:  # after the tool turn: copy the reply (rows without a pending call are dropped by the loop)
+            turns = [" A: " + m.group(1) if (m := re.search(r" R: (\d+)$", c)) else wrong for c in contexts]
+        return scripted_generate([turns])(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens,
+                                          num_return_sequences=num_return_sequences)
+
+    monkeypatch.setattr(sampling, "generate", generate)
+    out = str(tmp_path / "out")
+    run_main(grpo, ["--model", str(tmp_path / "model"), "--dataset", wa.TOOLS_SPEC, "--reward_fn", "arith_strict",
+                    "--tools", f"{ROOT}/{wa.TOOL_FILE}:add", "--max_tool_calling_iterations", "1", "--num_generations", "2",
+                    "--batch_size", "2", "--max_steps", "1", "--max_completion_length", "96", "--output_dir", out], monkeypatch)
+    row = json.loads(open(f"{out}/metrics.jsonl").readline())
+    assert row["tools/call_frequency"] == pytest.approx(0.5) and row["tools/failure_frequency"] == 0
+    assert row["reward"] == pytest.approx(0.5)  # every call's answer is right, every scratchpad wrong
+    # the model's tokens only: a call and its answer (two or three digits), each with its <eos>; the scratchpad
+    call = len('<tool_call>{"name":"add","arguments":{"a":10,"b":10}}</tool_call>') + 1
+    assert row["completions/max_length"] in (call + len(" A: 20") + 1, call + len(" A: 100") + 1)
+    assert row["completions/min_length"] == len(wrong) + 1
+
+
+def test_sft_from_scratch_on_arith_tools(tmp_path, monkeypatch):
+    """sft.py --dataset embedded:arith_tools saves a tokenizer that AutoTokenizer reloads with the
+    world's chat template: a tool exchange renders and encodes as in training (one <eos> token per
+    turn, every character kept), with and without the tool listed."""
+    from conftest import run_main
+    from transformers import AutoTokenizer
+
+    import sft
+    import world_arith as wa
+
+    out = str(tmp_path / "sft")
+    run_main(sft, ["--dataset", wa.TOOLS_SPEC, "--hidden_size", "32", "--num_layers", "1", "--max_steps", "1",
+                   "--batch_size", "4", "--output_dir", out], monkeypatch)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == wa.CHAT_TEMPLATE
+    schemas = [t.schema for t in tools.load_tools(f"{ROOT}/{wa.TOOL_FILE}:add")]
+    conv = [{"role": "user", "content": "47+38"}, {"role": "assistant", "content": wa.tool_call_text((47, 38))},
+            {"role": "tool", "name": "add", "content": "85"}, {"role": "assistant", "content": " A: 85"}]
+    text = tok.apply_chat_template(conv, tools=schemas, tokenize=False)
+    assert text == 'T:add\nQ: 47+38=<tool_call>{"name":"add","arguments":{"a":47,"b":38}}</tool_call><eos> R: 85 A: 85<eos>'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.eos_token_id) == 2 and len(ids) == len(text) - 2 * (len("<eos>") - 1)
+    assert tok.decode(ids) == text
+    assert data.render_prompt(tok, conv[:1]) == "Q: 47+38="

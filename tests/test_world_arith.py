@@ -118,3 +118,12 @@ def test_verifiers_by_name_through_the_reward_contract():
         fn = common.load_reward_fn(name)
         assert fn.__name__ == name
         assert common.call_reward_fns([fn], prompts, completions, None, {"answer": [132, 20]})[:, 0].tolist() == expected
+
+
+def test_verifiers_read_the_last_assistant_turn():
+    """A tool-using exchange (TRL's messages): the answer is the policy's last turn, never a tool's reply."""
+    call = {"role": "assistant", "content": wa.tool_call_text((47, 38))}
+    reply = {"role": "tool", "name": "add", "content": "85"}
+    assert arith_lenient(None, [[call, reply]], answer=[85]) == [0.0]  # cut after the reply: no answer of its own
+    assert arith_strict(None, [[call, reply, {"role": "assistant", "content": " A: 85"}]], answer=[85]) == [1.0]
+    assert arith_strict(None, [[call, reply, {"role": "assistant", "content": " A: 84"}]], answer=[85]) == [0.0]
