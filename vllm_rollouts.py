@@ -37,6 +37,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 import torch
 
 import basics
+import data
 import parallel
 import sampling
 
@@ -185,8 +186,6 @@ def generate(llm, model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, tem
 def sample_texts(llm, model, tokenizer, prompts, max_new_tokens, seed=0, **knobs):
     """sampling.sample_texts' contract (eval.py): rendered prompt texts -> (texts, truncated flags,
     completion id lists), every prompt its own request (seeded by `seed` and its row)."""
-    import data
-
     ids, mask = data.encode_prompts(tokenizer, prompts)
     completion, completion_mask, truncated, _ = generate(llm, model, tokenizer, ids, mask, max_new_tokens, seed=seed,
                                                          **knobs)
