@@ -22,7 +22,9 @@ It plays the part of a math dataset with worked solutions and a final-answer che
   `arith_strict` (1 if the text after the last "A:" is exactly the `answer` column, else 0) and
   `arith_lenient` (1 if the last number in the completion equals `answer`, else 0).
 
-The splits `sft` / `rl` / `test` hold disjoint problems. Every text is made of 16 characters, so
+The splits `sft` / `rl` / `test` hold disjoint problems. The test split is the same for every
+seed, and no seed's training splits hold one of its problems (before 2026-12-04 each seed drew its
+own test split, so GRPO seeds 1 and 2 trained on 97 and 94 of seed 0's 400 test problems). Every text is made of 16 characters, so
 the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python sft.py
 --dataset embedded:arith`).
 
@@ -195,7 +197,10 @@ def build_world(seed=0, levels=(1,), sizes=None, tools=False):
     given the calculator (with_tools).
     """
     sizes = {**SPLIT_SIZES, **(sizes or {})}
-    rng = random.Random(seed)
+    # the test split is the same for every seed (eval.py reads seed 0's), and no seed's training
+    # splits hold one of its problems; seed 0 draws its training splits on from the test split's
+    # generator (so seed 0's world is what it always was), another seed from its own
+    rng = random.Random(0)
     capacity = sum(90 ** NUMBERS_PER_LEVEL[level] for level in levels)
     if sum(sizes.values()) > capacity:
         raise ValueError(f"levels {levels} hold {capacity} distinct problems, fewer than the {sum(sizes.values())} asked for.")
@@ -217,6 +222,8 @@ def build_world(seed=0, levels=(1,), sizes=None, tools=False):
     for _ in range(sizes["test"]):  # drawn first, so train sizes do not change the test split
         level, numbers = fresh_problem()
         test.append({**row(level, numbers), "reference": scratchpad(numbers)[0]})
+    if seed != 0:
+        rng = random.Random(seed)
     sft = []
     for _ in range(sizes["sft"]):
         level, numbers = fresh_problem()
