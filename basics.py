@@ -96,18 +96,20 @@ def embedded_world(seed=0):
 
 
 def arith_split(spec, split, seed=0):
-    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS], or of the world with
-    a calculator tool, embedded:arith_tools (built once per process)."""
+    """A split of the arithmetic world named by --dataset embedded:arith[:LEVELS] (sft, rl, test, or
+    prefs: the demonstrator's preference pairs), or of the world with a calculator tool,
+    embedded:arith_tools (no prefs) (built once per process)."""
     try:
         levels = (1,) if spec == ARITH_TOOLS else world_arith.parse_spec(spec)
     except ValueError as e:
         fail(str(e))
     if levels is None:
-        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (chains), {ARITH}:1,2 (both levels) "
-             f"or {ARITH_TOOLS} (with a calculator tool).")
-    if split not in ("sft", "rl", "test"):
-        fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only sft, rl, test): it is a world "
-             "for SFT and RL with verifiers, not for preference pairs.")
+        fail(f"--dataset {spec}: the arithmetic world is {ARITH}, {ARITH}:2 (three-number chains), {ARITH}:3 "
+             f"(four), {ARITH}:1,2 (several levels) or {ARITH_TOOLS} (with a calculator tool).")
+    splits = ("sft", "rl", "test") if spec == ARITH_TOOLS else ("sft", "prefs", "rl", "test")
+    if split not in splits:
+        fail(f"--dataset {spec}: the arithmetic world has no {split!r} split (only {', '.join(splits)})"
+             + (f"; its preference pairs (prefs) are {ARITH}'s, without the calculator." if split == "prefs" else "."))
     if (spec, seed) not in _WORLD_CACHE:
         _WORLD_CACHE[spec, seed] = world_arith.build_world(seed, levels, tools=spec == ARITH_TOOLS)
     return _WORLD_CACHE[spec, seed][split]

@@ -4,7 +4,8 @@ The second embedded world (`--dataset embedded:arith`), beside the summarization
 It plays the part of a math dataset with worked solutions and a final-answer checker:
 
 - a **problem** adds two-digit numbers: two at level 1 (`Q: 47+85=`), three at level 2
-  (`Q: 47+85+23=`, a multi-step chain);
+  (`Q: 47+85+23=`, a multi-step chain), four at level 3 (`Q: 47+85+23+61=`; completions of up
+  to 81 characters, against 52 at level 2 and 23 at level 1);
 - the **scratchpad** adds in columns, units first, writing the carry into the next column, and
   each intermediate total of a chain, then the answer:
       Q: 47+85=     ->  " 7+5=12 4+8+1=13 A: 132"
@@ -24,9 +25,13 @@ It plays the part of a math dataset with worked solutions and a final-answer che
 
 The splits `sft` / `rl` / `test` hold disjoint problems. The test split is the same for every
 seed, and no seed's training splits hold one of its problems (before 2026-12-04 each seed drew its
-own test split, so GRPO seeds 1 and 2 trained on 97 and 94 of seed 0's 400 test problems). Every text is made of 16 characters, so
-the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python sft.py
---dataset embedded:arith`).
+own test split, so GRPO seeds 1 and 2 trained on 97 and 94 of seed 0's 400 test problems). The
+`prefs` split (`dpo.py --dataset embedded:arith`) is an offline preference dataset from the
+demonstrator: on the SFT split's problems, two fresh demonstrations of a problem, one right and one
+wrong by the verifier (chosen, rejected), 2000 pairs; mostly slips against the right scratchpad,
+as the carry trap rarely gives a right demonstration (preference_pairs). Every text is made of 16
+characters, so the world trains a tiny character-level Qwen2 from scratch (scratch.py, `python
+sft.py --dataset embedded:arith`).
 
 **With a calculator tool** (`--dataset embedded:arith_tools`, level 1; grpo.py `--tools
 calculator.py:add`): the same problems, as conversations, and a chat template of the world's own
@@ -49,11 +54,12 @@ import random
 import re
 
 
-SPEC = "embedded:arith"  # --dataset value; "embedded:arith:2" (chains) or "embedded:arith:1,2" (mixed levels)
+SPEC = "embedded:arith"  # --dataset value; "embedded:arith:2" (chains), "embedded:arith:1,2" (mixed levels), ...
 PROMPT_TEMPLATE = "Q: {question}="  # the completion is the scratchpad, " ... A: <answer>"
-NUMBERS_PER_LEVEL = {1: 2, 2: 3}  # level -> how many two-digit numbers are added
+NUMBERS_PER_LEVEL = {1: 2, 2: 3, 3: 4}  # level -> how many two-digit numbers are added
 SLIP_PROB = 0.2  # chance that a demonstration has one column off by one
-SPLIT_SIZES = {"sft": 5000, "rl": 2000, "test": 400}  # level 1 has 90 x 90 = 8100 problems in all
+SPLIT_SIZES = {"sft": 5000, "rl": 2000, "test": 400, "prefs": 2000}  # level 1 has 90 x 90 = 8100 problems in all
+PREFS_DRAWS = 20  # prefs: demonstrations drawn per problem, at most, to find one right and one wrong
 TOOLS_SPEC = "embedded:arith_tools"  # --dataset value of the world with a calculator tool (level 1)
 TOOL_FILE = "calculator.py"  # its tool: --tools calculator.py:add
 LIST_PROB = 0.5  # chance that an SFT prompt lists the tool
@@ -186,15 +192,18 @@ VERIFIERS = {"arith_strict": arith_strict, "arith_lenient": arith_lenient}  # --
 
 # ---------------------------------------------------------------- datasets
 def build_world(seed=0, levels=(1,), sizes=None, tools=False):
-    """The world's splits as `datasets.Dataset`s in TRL's formats, every problem in one split only.
+    """The world's splits as `datasets.Dataset`s in TRL's formats, every problem in one split only
+    (but `prefs`, whose problems are the `sft` split's).
 
-    - `sft`:  prompt + completion (the noisy demonstrator), plus `answer` (the true sum),
-              `level`, `carry_trap` (the systematic error applies), `correct` (the demo's answer is);
-    - `rl`:   prompt + `answer` (what the verifiers read), `level`, `carry_trap`;
-    - `test`: prompt + `answer` + `reference` (the correct scratchpad), `level`, `carry_trap`.
+    - `sft`:   prompt + completion (the noisy demonstrator), plus `answer` (the true sum),
+               `level`, `carry_trap` (the systematic error applies), `correct` (the demo's answer is);
+    - `rl`:    prompt + `answer` (what the verifiers read), `level`, `carry_trap`;
+    - `test`:  prompt + `answer` + `reference` (the correct scratchpad), `level`, `carry_trap`;
+    - `prefs`: prompt + chosen + rejected (TRL's standard preference format), plus `answer`, `level`,
+               `carry_trap`: an offline preference dataset from the demonstrator (preference_pairs).
 
     `tools` (embedded:arith_tools): the same problems and demonstrations, made conversational and
-    given the calculator (with_tools).
+    given the calculator (with_tools); no `prefs`.
     """
     sizes = {**SPLIT_SIZES, **(sizes or {})}
     # the test split is the same for every seed (eval.py reads seed 0's), and no seed's training
@@ -202,8 +211,9 @@ def build_world(seed=0, levels=(1,), sizes=None, tools=False):
     # generator (so seed 0's world is what it always was), another seed from its own
     rng = random.Random(0)
     capacity = sum(90 ** NUMBERS_PER_LEVEL[level] for level in levels)
-    if sum(sizes.values()) > capacity:
-        raise ValueError(f"levels {levels} hold {capacity} distinct problems, fewer than the {sum(sizes.values())} asked for.")
+    drawn = sizes["sft"] + sizes["rl"] + sizes["test"]  # prefs draw no problems of their own
+    if drawn > capacity:
+        raise ValueError(f"levels {levels} hold {capacity} distinct problems, fewer than the {drawn} asked for.")
     seen = set()  # every problem is unique, so the splits are disjoint
 
     def fresh_problem():
@@ -214,27 +224,69 @@ def build_world(seed=0, levels=(1,), sizes=None, tools=False):
                 seen.add(numbers)
                 return level, numbers
 
-    def row(level, numbers):
-        return {"prompt": PROMPT_TEMPLATE.format(question="+".join(map(str, numbers))), "answer": sum(numbers),
-                "level": level, "carry_trap": has_carry_trap(numbers)}
-
     test = []
     for _ in range(sizes["test"]):  # drawn first, so train sizes do not change the test split
         level, numbers = fresh_problem()
-        test.append({**row(level, numbers), "reference": scratchpad(numbers)[0]})
+        test.append({**_row(level, numbers), "reference": scratchpad(numbers)[0]})
     if seed != 0:
         rng = random.Random(seed)
-    sft = []
+    sft, sft_problems = [], []
     for _ in range(sizes["sft"]):
         level, numbers = fresh_problem()
         text, written, _slipped = demonstrate(rng, numbers)
-        sft.append({**row(level, numbers), "completion": text, "correct": written == sum(numbers)})
-    rl = [row(*fresh_problem()) for _ in range(sizes["rl"])]
-    if tools:
-        sft, rl, test = with_tools(sft, rl, test, seed)
+        sft.append({**_row(level, numbers), "completion": text, "correct": written == sum(numbers)})
+        sft_problems.append((level, numbers))
+    rl = [_row(*fresh_problem()) for _ in range(sizes["rl"])]
     from datasets import Dataset  # a slow import: not for --help
 
-    return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
+    if tools:
+        sft, rl, test = with_tools(sft, rl, test, seed)
+        return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test)}
+    prefs = preference_pairs(sft_problems, sizes["prefs"], seed)
+    return {"sft": Dataset.from_list(sft), "rl": Dataset.from_list(rl), "test": Dataset.from_list(test),
+            "prefs": Dataset.from_list(prefs)}
+
+
+def _row(level, numbers):
+    """The columns every split's row has: the prompt, the true sum, the level, the carry trap."""
+    return {"prompt": PROMPT_TEMPLATE.format(question="+".join(map(str, numbers))), "answer": sum(numbers),
+            "level": level, "carry_trap": has_carry_trap(numbers)}
+
+
+def preference_pairs(problems, size, seed):
+    """The `prefs` split: what an offline preference dataset from the demonstrator is. For each
+    (level, numbers) of `problems` in turn, draw fresh demonstrations until one is right and one
+    wrong by the verifier (arith_strict's check: the answer written is the sum); chosen = the right
+    one, rejected = the first wrong one; a problem with no pair in PREFS_DRAWS draws is skipped.
+    Stops at `size` pairs (fewer if the problems run out).
+
+    The problems are the SFT split's, with fresh demonstrations: an offline dataset is sampled from
+    the demonstrator on the prompts it was collected for, and the SFT policy imitates the same
+    demonstrator on the same prompts, so offline DPO starts on-distribution and any drift is the
+    policy's own. It also keeps every problem outside the rl and test splits at every level (level
+    1's 8100 problems leave 700 beside sft, rl and test: too few for fresh ones).
+    What the pairs hold: on a problem without the carry trap the right demonstration is the correct
+    scratchpad and the wrong one a slip (SLIP_PROB); on a trap problem the wrong one drops the carry
+    and the right one is rare (a slip of +1 in the column after the dropped carry gives the true sum
+    with a wrong step written, e.g. " 7+3=10 4+8=13 A: 130"), so many trap problems are skipped:
+    the pairs mostly teach "no slips", and only some teach the carry.
+    """
+    rng = random.Random(seed + 104_729)  # its own stream, so the sft, rl and test splits are what they were
+    pairs = []
+    for level, numbers in problems:
+        if len(pairs) == size:
+            break
+        right = wrong = None
+        for _ in range(PREFS_DRAWS):
+            text, written, _slipped = demonstrate(rng, numbers)
+            if written == sum(numbers):
+                right = right or text
+            else:
+                wrong = wrong or text
+            if right and wrong:
+                pairs.append({**_row(level, numbers), "chosen": right, "rejected": wrong})
+                break
+    return pairs
 
 
 def tool_call_text(numbers):

@@ -160,7 +160,7 @@ def test_offline_precompute_on_and_off_train_identically(tmp_path, tiny_qwen):
         out = str(tmp_path / flag.strip("-"))
         run_script("dpo.py", "--model", tiny_qwen, "--dataset", str(data), "--output_dir", out, "--max_steps", "3",
                    "--batch_size", "4", "--learning_rate", "1e-2", "--warmup_steps", "0", "--optim", "adamw", flag,
-                   "--max_completion_length", "6", "--rpo_alpha", "0")  # plain DPO (the toy policy's default adds RPO)
+                   "--max_completion_length", "6", "--rpo_alpha", "0")  # plain DPO, said (on the summarization world the toy policy gets RPO)
         runs[flag] = (_metrics(out), json.load(open(os.path.join(out, "summary.json"))))
     (on, on_summary), (off, off_summary) = runs.values()
     assert [r["step"] for r in on] == [1, 2, 3]

@@ -1,4 +1,7 @@
-"""The arithmetic world: the scratchpad, the demonstrator's errors, disjoint splits, the verifiers."""
+"""The arithmetic world: the scratchpad, the demonstrator's errors, disjoint splits, the preference
+pairs and offline DPO on them, the verifiers."""
+
+import json
 
 import pytest
 
@@ -69,6 +72,7 @@ def test_one_test_split_for_every_seed_and_no_seed_trains_on_it():
         assert world["test"].to_list() == test
         assert not set(world["sft"]["prompt"]) & {r["prompt"] for r in test}
         assert not set(world["rl"]["prompt"]) & {r["prompt"] for r in test}
+        assert len(world["prefs"]) == 2000 and not set(world["prefs"]["prompt"]) & {r["prompt"] for r in test}
     assert worlds[1]["rl"]["prompt"] != worlds[0]["rl"]["prompt"]  # the training splits still change with the seed
     # seed 0's world is the one every published number was measured on
     import hashlib
@@ -76,12 +80,80 @@ def test_one_test_split_for_every_seed_and_no_seed_trains_on_it():
     assert digest == "4e3b939adc009df9ce4cd3d38859e1c2"  # md5 before the test split was shared
 
 
+def test_level_3_four_number_chains():
+    """Four numbers: three steps, an intermediate total after each but the last; the demonstrator's
+    errors and the verifier as at levels 1 and 2; the texts fit the 16 characters and 81 positions."""
+    assert wa.scratchpad((47, 85, 23, 61)) == (
+        " 7+5=12 4+8+1=13 =132 2+3=5 3+2=5 1+0=1 =155 5+1=6 5+6=11 1+0+1=2 A: 216", 216)
+    assert wa.has_carry_trap((41, 15, 16, 18)) and not wa.has_carry_trap((41, 15, 16, 15))  # the third step: 72 + 18
+    longest = wa.scratchpad((99, 99, 99, 99))[0]  # a carry in every column, two hundreds columns
+    assert len(longest) == 81
+    world = wa.build_world(seed=0, levels=(1, 2, 3), sizes={"sft": 300, "rl": 10, "test": 60, "prefs": 100})
+    assert set(world["test"]["level"]) == {1, 2, 3} and all(r["prompt"].count("+") == r["level"] for r in world["test"])
+    texts = [r["prompt"] + r["completion"] for r in world["sft"]] + [r["prompt"] + r["reference"] for r in world["test"]]
+    assert len(set("".join(texts))) == 16
+    assert max(len(r["completion"]) for r in world["sft"]) <= len(longest)
+    for row in world["sft"]:
+        assert row["correct"] == (wa.strict_answer(row["completion"]) == row["answer"])
+
+
+def test_prefs_are_the_demonstrators_pairs_labelled_by_the_verifier():
+    """TRL's standard preference format; chosen right and rejected wrong by arith_strict; both the
+    demonstrator's (a slip against the right scratchpad, or the dropped carry); the SFT split's
+    problems, never an rl or test one; the carry trap is rarer than in the SFT split (few trap
+    problems have a right demonstration)."""
+    world = wa.build_world(seed=0, levels=(1, 2), sizes={"sft": 1500, "rl": 200, "test": 200, "prefs": 1000})
+    prefs, sft = world["prefs"], world["sft"]
+    assert len(prefs) == 1000 and set(prefs.column_names) == {"prompt", "chosen", "rejected", "answer", "level", "carry_trap"}
+    assert all(isinstance(r[k], str) and r[k] for r in prefs for k in ("prompt", "chosen", "rejected"))
+    assert arith_strict(prefs["prompt"], prefs["chosen"], prefs["answer"]) == [1.0] * len(prefs)
+    assert arith_strict(prefs["prompt"], prefs["rejected"], prefs["answer"]) == [0.0] * len(prefs)
+    assert set(prefs["prompt"]) <= set(sft["prompt"]) and len(set(prefs["prompt"])) == len(prefs)
+    assert not set(prefs["prompt"]) & (set(world["rl"]["prompt"]) | set(world["test"]["prompt"]))
+    pure_trap = 0
+    for r in prefs:
+        numbers = tuple(map(int, r["prompt"][3:-1].split("+")))
+        assert r["answer"] == sum(numbers) and r["carry_trap"] == wa.has_carry_trap(numbers)
+        if not r["carry_trap"]:  # the right demonstration is the scratchpad, the wrong one a slip
+            assert r["chosen"] == wa.scratchpad(numbers)[0]
+        pure_trap += r["rejected"] == wa.scratchpad(numbers, drop_carry=True)[0]
+    assert 0 < pure_trap <= sum(prefs["carry_trap"]) < 0.8 * len(prefs) * sum(sft["carry_trap"]) / len(sft)
+    # its own stream: the other splits are those of a world without it, and the pairs change with the seed
+    bare = wa.build_world(seed=0, levels=(1, 2), sizes={"sft": 1500, "rl": 200, "test": 200, "prefs": 0})
+    assert len(bare["prefs"]) == 0 and all(bare[k].to_list() == world[k].to_list() for k in ("sft", "rl", "test"))
+    other = wa.build_world(seed=1, levels=(1, 2), sizes={"sft": 1500, "rl": 200, "test": 200, "prefs": 1000})["prefs"]
+    assert other["prompt"] != prefs["prompt"]
+
+
+def test_offline_dpo_on_the_arithmetic_world(tmp_path, monkeypatch, capsys):
+    """dpo.py --dataset embedded:arith trains on the prefs split, as plain DPO (no RPO term: the
+    summarization world's default), from a tiny char-level policy of the world."""
+    from conftest import run_main
+
+    import dpo
+    import scratch
+
+    sft = wa.build_world(seed=0, sizes={"sft": 200, "rl": 1, "test": 1, "prefs": 0})["sft"]
+    tok = scratch.fit_tokenizer([r["prompt"] + r["completion"] for r in sft], "char")
+    scratch.build_model(tok, hidden_size=32, num_layers=1).save_pretrained(tmp_path / "sft")
+    tok.save_pretrained(tmp_path / "sft")
+    out = tmp_path / "dpo"
+    run_main(dpo, ["--model", str(tmp_path / "sft"), "--dataset", "embedded:arith", "--max_steps", "2", "--batch_size", "4",
+                   "--eval_batch_size", "500", "--output_dir", str(out)], monkeypatch)
+    stdout = capsys.readouterr().out
+    assert "rpo_alpha 0" in stdout and "2000 preference pairs from embedded:arith" in stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert rows[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and "nll_loss" not in rows[0]  # DPO at step 0: ln 2
+    assert json.load(open(out / "summary.json"))["completions_truncated"] == 0
+
+
 def test_parse_spec():
     assert wa.parse_spec("embedded:arith") == (1,)
     assert wa.parse_spec("embedded:arith:2") == (2,)
     assert wa.parse_spec("embedded:arith:2,1") == (1, 2)
+    assert wa.parse_spec("embedded:arith:3") == (3,) and wa.parse_spec("embedded:arith:1,2,3") == (1, 2, 3)
     assert wa.parse_spec("embedded") is None and wa.parse_spec("data.jsonl") is None
-    for bad in ("embedded:arith:3", "embedded:arith:x"):
+    for bad in ("embedded:arith:4", "embedded:arith:0", "embedded:arith:x"):
         with pytest.raises(ValueError):
             wa.parse_spec(bad)
 
