@@ -79,7 +79,7 @@ class TrainArgs(ModelArgs):
     """The command-line contract shared by every training script (TRL's names where TRL has one)."""
 
     # evaluation
-    eval_dataset: str = field(default="", metadata={"help": "Held-out data in --dataset's format (a file, or a Hub name: its 'test' split), evaluated every --eval_steps and at the end (eval_* metrics)."})
+    eval_dataset: str = field(default="", metadata={"help": "Held-out data in --dataset's format (a file, or a Hub name: its 'test' split; or an embedded world's name, e.g. 'embedded': its test prompts), evaluated every --eval_steps and at the end (eval_* metrics)."})
     eval_steps: int = field(default=0, metadata={"help": "Evaluate on --eval_dataset every this many steps (0: at the end only)."})
     # optimisation
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps; more than one pass over the data cycles through it again."})
@@ -201,6 +201,9 @@ def parse_args(cls, default_output_dir=None):
         fail("pass --num_train_epochs or --max_steps, not both (--num_train_epochs sets the number of steps).")
     if args.eval_steps and not (args.eval_dataset or getattr(args, "test_size", 0)):  # reward.py holds out --test_size
         fail(f"--eval_steps {args.eval_steps} needs --eval_dataset (held-out data in --dataset's format).")
+    if getattr(args, "eval_reward_fn", "") and not args.eval_dataset:  # grpo.py, ppo.py
+        fail(f"--eval_reward_fn {args.eval_reward_fn} scores the --eval_dataset completions: add --eval_dataset "
+             "(e.g. --eval_dataset embedded, the embedded world's test prompts).")
     if isinstance(args, SamplingArgs) and not (0 < args.top_p <= 1 and args.top_k >= 0 and 0 <= args.min_p < 1
                                                and args.repetition_penalty > 0 and args.num_completions_to_print >= 0):
         fail("--top_p must be in (0, 1], --top_k >= 0, --min_p in [0, 1), --repetition_penalty > 0, "
@@ -759,6 +762,22 @@ def load_reward_fns(specs, weights=""):
     if not fns:
         fail("--reward_fn is empty: pass gold, arith_strict, arith_lenient or file.py:function (comma-separated).")
     return fns, parse_reward_weights(weights, [getattr(fn, "__name__", str(fn)) for fn in fns])
+
+
+def load_eval_reward_fns(spec, training_names=()):
+    """--eval_reward_fn 'a,b,...' -> {name: function}: rewards the run does not train on, which score
+    the --eval_dataset completions (eval_rewards/<name>/mean); `gold` is named gold, as grpo.py names
+    it. A name among `training_names` (whose eval_rewards/<name>/mean the run logs already) stops."""
+    fns = {}
+    for one in [s for s in spec.split(",") if s]:
+        fn = load_reward_fn(one)
+        name = "gold" if one == "gold" else getattr(fn, "__name__", one)
+        if name in fns or name in training_names:
+            fail(f"--eval_reward_fn {one!r}: a reward named {name!r} is already "
+                 f"{'among the training rewards' if name in training_names else 'in --eval_reward_fn'}, and "
+                 f"eval_rewards/{name}/mean can log only one of them: drop it or rename the function.")
+        fns[name] = fn
+    return fns
 
 
 def parse_reward_weights(spec, names):

@@ -61,13 +61,19 @@ def load_data(spec, split="train"):
 def training_data(args, world_split):
     """The script's --dataset: on the embedded world its `world_split` split (sft, prefs or rl),
     otherwise load_data(--dataset, --dataset_split)."""
-    if args.dataset == basics.EMBEDDED:
-        return basics.embedded_world(args.seed)[world_split]
-    if args.dataset.startswith(basics.ARITH):
-        return basics.arith_split(args.dataset, world_split, args.seed)
-    if args.dataset == basics.CODE:
-        return basics.code_split(world_split, args.seed)
-    return load_data(args.dataset, args.dataset_split)
+    return named_data(args.dataset, args.dataset_split, world_split, args.seed)
+
+
+def named_data(spec, split, world_split, seed):
+    """An embedded world's `world_split` split when `spec` names one (embedded, embedded:arith...,
+    embedded:code), otherwise load_data(spec, split)."""
+    if spec == basics.EMBEDDED:
+        return basics.embedded_world(seed)[world_split]
+    if spec.startswith(basics.ARITH):
+        return basics.arith_split(spec, world_split, seed)
+    if spec == basics.CODE:
+        return basics.code_split(world_split, seed)
+    return load_data(spec, split)
 
 
 def set_max_steps(args, num_examples, examples_per_step):
@@ -79,8 +85,9 @@ def set_max_steps(args, num_examples, examples_per_step):
 
 
 def eval_data(args):
-    """--eval_dataset (a file, or a Hub name's 'test' split), or None when not given."""
-    return load_data(args.eval_dataset, "test") if args.eval_dataset else None
+    """--eval_dataset (a file, a Hub name's 'test' split, or an embedded world's name: its held-out
+    'test' split, whose prompts no training split of that --seed holds), or None when not given."""
+    return named_data(args.eval_dataset, "test", "test", args.seed) if args.eval_dataset else None
 
 
 DATA_FILES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")  # what datasets reads from a folder

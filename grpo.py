@@ -80,6 +80,8 @@ Run:
     python grpo.py --reward_model runs/reward             # learned reward instead of the verifier
     python grpo.py --reward_model runs/reward --reward_fn gold --reward_weights 0,1 --output_dir runs/grpo_rm
                                                           # ... and log the samples' gold score (weight 0)
+    python grpo.py --reward_model runs/reward --eval_dataset embedded --eval_steps 10 --eval_reward_fn gold --output_dir runs/grpo_rm
+                                                          # ... and every 10 steps the gold score of greedy test completions
     python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
     python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
@@ -122,6 +124,7 @@ class Args(SamplingArgs):
     reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
+    eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside a --reward_model: Gao et al. 2022's gold score)."})
     # generation
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt (at least 2)."})
     max_completion_length: int = field(default=256, metadata={"help": "Completions stop at a stop token or this many tokens (embedded world: 32)."})
@@ -326,18 +329,23 @@ def score(rewards, prompts, texts, completion_ids, columns, args, group_size=1, 
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eval_ds, rewards, weights, args, step=0):
+def evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step=0):
     """--eval_dataset: the mean reward (under this run's weighted rewards) of one greedy
-    completion per held-out prompt, and each source's mean."""
+    completion per held-out prompt, and each source's mean; and the mean of each --eval_reward_fn
+    function (`eval_fns`, {name: fn}) on the same completions, which eval_reward leaves out."""
     raw = eval_ds["prompt"]
     prompts = [data.render_prompt(tokenizer, p) for p in raw]
     texts, _, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
                                                      args.eval_batch_size, do_sample=False)
     columns = {c: list(eval_ds[c]) for c in eval_ds.column_names if c != "prompt"}  # lists, not `datasets` Columns
     per_source = score(rewards, raw, texts, completion_ids, columns, args, step=step)  # (N, K)
+    # --eval_reward_fn: the same completions, called as the training rewards are (no second generation)
+    held_out = common.call_reward_fns(list(eval_fns.values()), raw, sampling.reward_completions(raw, texts), completion_ids,
+                                      columns, step=step, max_steps=args.max_steps, every_row=False)  # (N, K_eval)
     # the means over the completions each reward applies to (TRL's nanmean)
     return {"eval_reward": float(common.weighted_rewards(per_source, weights).nanmean()),
-            **{f"eval_rewards/{r['name']}/mean": float(per_source[:, k].nanmean()) for k, r in enumerate(rewards)}}
+            **{f"eval_rewards/{r['name']}/mean": float(per_source[:, k].nanmean()) for k, r in enumerate(rewards)},
+            **{f"eval_rewards/{name}/mean": float(held_out[:, k].nanmean()) for k, name in enumerate(eval_fns)}}
 
 
 # ============================================================================ main
@@ -419,6 +427,7 @@ def main():
     ref_model = common.reference_of(model, args) if args.beta else None
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
+    eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
@@ -587,7 +596,7 @@ def main():
                     **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
                     "advantage": advantages, **extra})  # extra: the reward functions' log_extra columns
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, args, step + 1)
+            eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",

@@ -59,6 +59,7 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 Run:
     python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
     python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
+    python ppo.py --eval_dataset embedded --eval_steps 5 --eval_reward_fn gold   # the gold score of greedy test completions every 5 steps
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
     torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
     .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
@@ -91,6 +92,7 @@ class Args(SamplingArgs):
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
     reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (README)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the score is the weighted sum over the functions that do not return None."})
+    eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside the reward model: Gao et al. 2022's gold score)."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # generation
@@ -300,13 +302,15 @@ def on_device(model, device, offload):
 
 
 @torch.no_grad()
-def evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, args, step=0):
+def evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, eval_fns, args, step=0):
     """--eval_dataset: eval_reward, the mean score of one greedy completion per held-out prompt,
-    scored as the rollout scores (centred reward model or --reward_fn; no EOS: -missing_eos_penalty)."""
+    scored as the rollout scores (centred reward model or --reward_fn; no EOS: -missing_eos_penalty);
+    and eval_rewards/<name>/mean of each --eval_reward_fn function (`eval_fns`, {name: fn}) on the
+    same completions, as they are (no penalty: a reward the run never sees, e.g. the gold judge)."""
     device, offload = common.device(), torch.device("cpu") if args.offload_frozen else common.device()
     columns = {c: list(eval_ds[c]) for c in eval_ds.column_names if c != "prompt"}  # lists, not `datasets` Columns
     reward_model = on_device(reward_model, device, args.offload_frozen) if reward_model is not None else None
-    scores = []
+    scores, held_out = [], []
     for s in range(0, len(eval_ds), args.eval_batch_size):
         raw = eval_ds["prompt"][s:s + args.eval_batch_size]
         p_ids, p_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p in raw], args.max_prompt_length)
@@ -317,9 +321,16 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokeni
             scored = score(reward_fns, reward_model, rm_tokenizer, raw, texts, sampling.completion_id_lists(c_ids, c_mask),
                            {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, args, step).cpu() - reward_mean
         scores.append(torch.where(truncated.cpu(), -args.missing_eos_penalty, scored))
+        # --eval_reward_fn: the same completions, called as the training rewards are (no second generation)
+        held_out.append(common.call_reward_fns(
+            list(eval_fns.values()), raw, sampling.reward_completions(raw, texts), sampling.completion_id_lists(c_ids, c_mask),
+            {k: v[s:s + args.eval_batch_size] for k, v in columns.items()}, step=step, max_steps=args.max_steps,
+            every_row=False))  # (B, K_eval), NaN where a function returned None
     if reward_model is not None:
         on_device(reward_model, offload, args.offload_frozen)
-    return {"eval_reward": float(torch.cat(scores).mean())}
+    held_out = torch.cat(held_out)  # (N, K_eval): means over the completions each function applies to (TRL's nanmean)
+    return {"eval_reward": float(torch.cat(scores).mean()),
+            **{f"eval_rewards/{name}/mean": float(held_out[:, k].nanmean()) for k, name in enumerate(eval_fns)}}
 
 
 # ============================================================================ main
@@ -362,6 +373,7 @@ def main():
         data.check_text(eval_ds, ["prompt"], args.eval_dataset)
     data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     reward_fns = common.load_reward_fns(args.reward_fn, args.reward_weights) if args.reward_fn else None
+    eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
 
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -522,8 +534,8 @@ def main():
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
                                        {"score": scores, "kl": kl.sum(1), **reward_logs["extra"]})
         if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
-            eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, args,
-                                    step + 1)
+            eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, eval_fns,
+                                    args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
             final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:

@@ -120,3 +120,49 @@ def main_error(module, argv, monkeypatch, capsys):
         run_main(module, argv, monkeypatch)
     assert e.value.code not in (0, None), "the run did not fail"
     return f"{e.value}\n{capsys.readouterr().err}"
+
+
+def eval_reward_files(folder, train_prompts=8, eval_prompts=5):
+    """For --eval_reward_fn tests: train and eval prompt files (the eval rows carry a `bonus`
+    column), and a rewards file with `length` (to train on: the completion's characters) and
+    `longer` (to evaluate with: characters + bonus); both append every call (function, step,
+    completions) to <folder>/calls.jsonl, so a test can recompute what was logged."""
+    with open(os.path.join(folder, "prompts.jsonl"), "w") as f:
+        for i in range(train_prompts):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n")
+    with open(os.path.join(folder, "eval.jsonl"), "w") as f:
+        for i in range(eval_prompts):
+            f.write(json.dumps({"prompt": f"POST: alice bought the bike {i} . TL;DR:", "bonus": 100 + 10 * i}) + "\n")
+    with open(os.path.join(folder, "r.py"), "w") as f:
+        f.write("import json, os\n"
+                "LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'calls.jsonl')\n"
+                "def record(fn, completions, trainer_state):\n"
+                "    with open(LOG, 'a') as f:\n"
+                "        f.write(json.dumps({'fn': fn, 'step': trainer_state.global_step, 'completions': completions}) + '\\n')\n"
+                "def length(completions, trainer_state, **kw):\n"
+                "    record('length', completions, trainer_state)\n"
+                "    return [float(len(c)) for c in completions]\n"
+                "def longer(completions, bonus, trainer_state, **kw):\n"
+                "    record('longer', completions, trainer_state)\n"
+                "    return [len(c) + b for c, b in zip(completions, bonus)]\n")
+    return {k: os.path.join(folder, k) for k in ("prompts.jsonl", "eval.jsonl", "r.py", "calls.jsonl")}
+
+
+def check_eval_reward_fn(rows, plain, calls, eval_steps, num_eval, bonus):
+    """The --eval_reward_fn `longer` run's metrics `rows` against the same run without it (`plain`)
+    and the recorded reward calls: eval_rewards/longer/mean at every eval step is the mean of
+    len(completion) + bonus over the very completions the training reward `length` scored for
+    eval_reward there (one greedy generation), and nothing else the run logs changes."""
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == eval_steps
+    assert [c["step"] for c in calls if c["fn"] == "longer"] == eval_steps  # evaluation only, never in training
+    for r in evals:
+        (mine,) = [c["completions"] for c in calls if c["fn"] == "longer" and c["step"] == r["step"]]
+        theirs = [c["completions"] for c in calls if c["fn"] == "length" and c["step"] == r["step"] and len(c["completions"]) == num_eval]
+        assert len(mine) == num_eval and theirs[-1] == mine  # the same greedy completions
+        assert r["eval_rewards/longer/mean"] == pytest.approx(sum(len(c) + b for c, b in zip(mine, bonus)) / num_eval, abs=1e-4)
+
+    def rest(rows):  # everything but the new metric and wall-clock times
+        return [{k: v for k, v in r.items() if k != "eval_rewards/longer/mean" and "time" not in k} for r in rows]
+
+    assert rest(rows) == rest(plain)

@@ -102,6 +102,10 @@ MUTANTS = [
            "lp, _, v = policy_and_values(policy, critic, mb, args.temperature)",
            "lp, _, v = policy_and_values(policy, critic, mb, 1.0)",
            [T + "test_ppo.py::test_a_completion_without_eos_scores_minus_the_penalty"]),
+    Mutant("ppo_eval_reward_fn_is_the_training_reward", "ppo.py",
+           "list(eval_fns.values()), raw, sampling.reward_completions(raw, texts)",
+           "reward_fns[0], raw, sampling.reward_completions(raw, texts)",
+           [T + "test_ppo.py::test_eval_reward_fn_scores_the_eval_completions_apart"]),
     # ---------------------------------------------------------------- grpo.py
     Mutant("grpo_group_mean_over_batch", "grpo.py",
            "advantages = grouped - grouped.nanmean(1, keepdim=True)",
@@ -163,6 +167,10 @@ MUTANTS = [
            "mb[\"attention_mask\"], args.temperature, with_entropy=True)",
            "mb[\"attention_mask\"], with_entropy=True)",
            [T + "test_peft.py::test_grpo_main_takes_the_reference_with_the_adapters_off"]),
+    Mutant("grpo_eval_reward_fn_is_the_training_reward", "grpo.py",
+           "held_out = common.call_reward_fns(list(eval_fns.values()), raw,",
+           "held_out = common.call_reward_fns([r[\"fn\"] for r in rewards if \"fn\" in r], raw,",
+           [T + "test_grpo.py::test_eval_reward_fn_scores_the_eval_completions_apart"]),
     # ---------------------------------------------------------------- the reward contract (common.py)
     Mutant("common_reward_weights_ignored", "common.py",
            "reward = (scores * weights).nansum(1)  # (N,)",

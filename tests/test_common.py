@@ -184,6 +184,16 @@ def test_missing_column_and_bad_row_are_named(tmp_path):
     assert "row 1" in msg and "'completion'" in msg
 
 
+def test_eval_dataset_names_an_embedded_worlds_test_split():
+    """--eval_dataset embedded (embedded:arith, embedded:code): the world's held-out test split of
+    that --seed, prompts disjoint from its training splits; a file is still read as before."""
+    ds = data.eval_data(SimpleNamespace(eval_dataset="embedded", seed=0))
+    world0 = common.embedded_world(0)
+    assert ds["prompt"] == world0["test"]["prompt"] and "post" in ds.column_names
+    assert not set(ds["prompt"]) & set(world0["rl"]["prompt"])
+    assert data.eval_data(SimpleNamespace(eval_dataset="", seed=0)) is None
+
+
 def test_batch_indices_cycle_through_epochs():
     seen = [i for step in range(5) for i in data.batch_indices(10, 4, seed=1, step=step)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))

@@ -285,6 +285,8 @@ def test_output_folder_is_protected_and_locked(tmp_path, tiny_qwen):
     ("sft.py", ["--per_device_train_batch_size", "4"], "TRL's --per_device_train_batch_size is --batch_size here (Examples per micro-batch"),
     ("grpo.py", ["--per_device_train_batch_size", "4"], "is --batch_size here (Prompts per micro-batch"),
     ("sft.py", ["--warmup_ratio", "0.1"], "TRL's --warmup_ratio is --warmup_steps here"),
+    ("grpo.py", ["--eval_reward_fn", "gold"], "--eval_reward_fn gold scores the --eval_dataset completions: add --eval_dataset"),
+    ("ppo.py", ["--eval_reward_fn", "gold,x.py:f"], "--eval_reward_fn gold,x.py:f scores the --eval_dataset completions"),
     ("eval.py", ["--judge", "gold", "runs/sft"], "unexpected argument(s) runs/sft: every setting is a --flag value pair "
                                                  "(a script that takes bare arguments wants them before the first --flag)"),
 ])
