@@ -1,0 +1,95 @@
+"""The studies' summary scripts (STUDIES.md, claims 3, 4 and 6) on hand-written run and eval
+folders: what they read, what they count, and the JSON they write."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _study(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "studies", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _results(path, policies, runs):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "results.json"), "w") as f:
+        json.dump({"policies": policies, "runs": runs}, f)
+
+
+def _policy(score, paths):
+    return {"paths": paths, "score": score, "score_ci_low": score - 0.1, "score_ci_high": score + 0.1,
+            "score_seed_ci_low": score - 0.2, "score_seed_ci_high": score + 0.2}
+
+
+def _main(module, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["study", *argv])
+    module.main()
+
+
+def test_dual_clip_counts_collapses_and_binding_steps(tmp_path, monkeypatch):
+    runs = tmp_path / "sweep"
+    grpo = lambda dual: [{"step": i + 1, "reward": r, "clip_ratio": 0.01, "clip_ratio/dual_mean": d}
+                         for i, (r, d) in enumerate(zip([0.4, 0.4, 0.4, 0.4, 0.9, 0.1], dual))]
+    _write(str(runs / "c3" / "seed0" / "metrics.jsonl"), grpo([0, 0.001, 0, 0.002, 0, 0]))
+    _write(str(runs / "c3" / "seed1" / "metrics.jsonl"), grpo([0] * 6) + [{"step": 6, "eval_reward": 0.5}])
+    ppo = [{"step": 1, "reward": 0.5, "clipfrac": 0.1, "dual_clip_frac": 0.0, "vf_loss": 1.0}]
+    _write(str(runs / "c0" / "seed0" / "metrics.jsonl"), ppo)
+    paths = {s: sorted(str(p) for p in (runs / s).iterdir()) for s in ("c3", "c0")}
+    _results(str(tmp_path / "eval"), {"sft": _policy(0.8, ["sft"]), "dual": _policy(0.6, paths["c3"]), "off": _policy(0.3, paths["c0"])},
+             {"sft": {"path": "sft", "score": 0.8}, "d0": {"path": paths["c3"][0], "score": 0.9},
+              "d1": {"path": paths["c3"][1], "score": 0.3}, "o0": {"path": paths["c0"][0], "score": 0.3}})
+    out = tmp_path / "dual.json"
+    _main(_study("dual_clip"), ["--runs", str(runs), "--eval", str(tmp_path / "eval"), "--output", str(out)], monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["collapse_below"] == pytest.approx(0.4)
+    dual, off = result["settings"]["c3"], result["settings"]["c0"]
+    assert dual["method"] == "dual" and dual["accuracy_per_seed"] == [0.9, 0.3] and dual["runs_collapsed"] == 1
+    first, second = dual["training"]
+    assert first["steps_dual_binds"] == 2 and second["steps_dual_binds"] == 0 and first["script"] == "grpo"
+    assert first["reward_first_4_steps"] == pytest.approx(0.4) and first["reward_last_20_steps"] == pytest.approx(2.6 / 6)
+    assert off["training"][0]["script"] == "ppo" and off["runs_collapsed"] == 1
+
+
+def test_optim_precision_measures_the_gap_of_moving_means(tmp_path, monkeypatch):
+    runs = tmp_path / "sweep"
+    base = [1.0] * 10
+    _write(str(runs / "optimadamw-dtypefloat32" / "seed0" / "metrics.jsonl"), [{"step": i + 1, "loss": x} for i, x in enumerate(base)])
+    drift = [1.0] * 6 + [2.0] * 4  # one jump: with a window of 2 the moving means part by 1.0 from step 8 on
+    _write(str(runs / "optimadamw_8bit-dtypefloat32" / "seed0" / "metrics.jsonl"), [{"step": i + 1, "loss": x} for i, x in enumerate(drift)])
+    for s, score in (("optimadamw-dtypefloat32", 0.5), ("optimadamw_8bit-dtypefloat32", 0.6)):
+        with open(runs / s / "seed0" / "summary.json", "w") as f:
+            json.dump({"gold_score": score}, f)
+    _main(_study("optim_precision"), ["--runs", str(runs), "--metric", "loss", "--window", "2", "--output", str(tmp_path / "o")], monkeypatch)
+    result = json.loads((tmp_path / "o.json").read_text())
+    row = result["settings"]["optimadamw_8bit-dtypefloat32"]["per_seed"][0]
+    assert row["max_gap_vs_optimadamw-dtypefloat32"] == pytest.approx(1.0) and row["step_of_max_gap"] == 8
+    assert row["first_step_differing"] == 7 and row["final_metric"] == pytest.approx(2.0) and row["score"] == 0.6
+    assert "max_gap_vs_optimadamw-dtypefloat32" not in result["settings"]["optimadamw-dtypefloat32"]["per_seed"][0]
+    assert (tmp_path / "o.png").exists()
+
+
+def test_judge_agreement_counts_over_the_comparisons_gold_decides(tmp_path, monkeypatch):
+    key = lambda i, w: {"prompt_id": i, "policy_a": "a", "policy_b": "b", "winner": w}
+    gold = [key(0, "a"), key(1, "b"), key(2, "tie"), key(3, "a"), {**key(4, "a"), "policy_b": "reference"}]
+    judge = [key(0, "a"), key(1, "a"), key(2, "a"), key(3, "tie"), {**key(4, "b"), "policy_b": "reference"}]
+    for name, rows in (("gold", gold), ("judge", judge)):
+        _write(str(tmp_path / name / "judgments.jsonl"), rows)
+    _main(_study("judge_agreement"), [str(tmp_path / "gold"), str(tmp_path / "judge"), "--output", str(tmp_path / "a.json")], monkeypatch)
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert result["comparisons"] == 4 and result["gold_decided"] == 3  # the reference's rows are left out
+    assert result["agree"] == pytest.approx(1 / 3) and result["judge_tie"] == pytest.approx(1 / 3)
+    assert result["disagree"] == pytest.approx(1 / 3) and result["gold_ties_judge_decided"] == pytest.approx(1 / 4)
