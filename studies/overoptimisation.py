@@ -82,17 +82,22 @@ def plot(path, runs):
     import matplotlib.pyplot as plt
 
     methods = sorted({r["method"] for r in runs})
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.5 * len(methods), 4), squeeze=False)
-    for ax, method in zip(axes[0], methods):
-        for j, r in enumerate(x for x in runs if x["method"] == method):
-            x = [p["sqrt_kl"] for p in r["points"]]
-            color = f"C{j}"
-            ax.plot(x, [p["gold"] for p in r["points"]], "o-", color=color, label=f"{r['run']}: gold")
-            ax.plot(x, [p["proxy"] for p in r["points"]], "x--", color=color, label=f"{r['run']}: proxy")
-        ax.set_xlabel("sqrt(KL to the reference), nats^0.5 per completion")
-        ax.set_ylabel("mean score of greedy test completions")
-        ax.set_title(f"{method}: gold (solid) and proxy (dashed)")
-        ax.legend(fontsize=7)
+    # top row: against sqrt(KL) (Gao et al.'s axis); bottom row: against the training step, where the
+    # order of the points is plain (the logged KL of one step's samples is noisy)
+    fig, axes = plt.subplots(2, len(methods), figsize=(5.5 * len(methods), 8), squeeze=False)
+    for col, method in enumerate(methods):
+        for row, (key, label) in enumerate((("sqrt_kl", "sqrt(KL to the reference), nats^0.5 per completion"),
+                                            ("step", "training step"))):
+            ax = axes[row][col]
+            for j, r in enumerate(x for x in runs if x["method"] == method):
+                x = [p[key] for p in r["points"]]
+                color = f"C{j}"
+                ax.plot(x, [p["gold"] for p in r["points"]], "o-", color=color, label=f"{r['run']}: gold")
+                ax.plot(x, [p["proxy"] for p in r["points"]], "x--", color=color, label=f"{r['run']}: proxy")
+            ax.set_xlabel(label)
+            ax.set_ylabel("mean score of greedy test completions")
+            ax.set_title(f"{method}: gold (solid) and proxy (dashed)")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
