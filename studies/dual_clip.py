@@ -78,7 +78,7 @@ def main():
             "training": [summarise_run(r, int(os.path.basename(r)[4:])) for r in runs]}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"| setting | accuracy (CI prompts) | CI seeds + prompts | per seed | collapsed | reward first 4 -> last 20 | steps dual binds |")
+    print("| setting | accuracy (CI prompts) | CI seeds + prompts | per seed | collapsed | reward first 4 -> last 20 | steps dual binds |")
     print("|---|---|---|---|---|---|---|")
     for setting, s in out["settings"].items():
         curves = ", ".join(f"{t['reward_first_4_steps']:.2f}->{t['reward_last_20_steps']:.2f}" for t in s["training"])
