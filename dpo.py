@@ -462,9 +462,6 @@ def main():
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
-    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
-    # the process group down (vLLM's own cleanup fails once the default group is gone)
-    vllm_rollouts.shutdown(llm)
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
@@ -477,6 +474,9 @@ def main():
               f"e.g. {ev['samples'][0]!r}")
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
+    # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
+    # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
+    vllm_rollouts.shutdown(llm)
     print(f"{script}: saved to {args.output_dir}")
 
 

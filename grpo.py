@@ -606,9 +606,6 @@ def main():
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
-    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
-    # the process group down (vLLM's own cleanup fails once the default group is gone)
-    vllm_rollouts.shutdown(llm)
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
@@ -621,6 +618,9 @@ def main():
         summary.update(ev)
         print(f"{script}: test gold score {ev['gold_score']:.3f}; e.g. {ev['samples'][0]!r}")
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
+    # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
+    # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
+    vllm_rollouts.shutdown(llm)
     print(f"{script}: {train_seconds:.0f} s of training; saved to {args.output_dir}")
 
 

