@@ -148,11 +148,21 @@ def eval_reward_files(folder, train_prompts=8, eval_prompts=5):
     return {k: os.path.join(folder, k) for k in ("prompts.jsonl", "eval.jsonl", "r.py", "calls.jsonl")}
 
 
-def check_eval_reward_fn(rows, plain, calls, eval_steps, num_eval, bonus):
-    """The --eval_reward_fn `longer` run's metrics `rows` against the same run without it (`plain`)
-    and the recorded reward calls: eval_rewards/longer/mean at every eval step is the mean of
+def check_eval_reward_fn(module, argv, files, folder, monkeypatch, eval_steps=(2, 4), num_eval=5,
+                         bonus=(100, 110, 120, 130, 140)):
+    """Run the script's main() on `argv` (eval_reward_files' data, training on `length`) without and
+    with --eval_reward_fn `longer`; then the second run's metrics against the first's and the
+    recorded reward calls: eval_rewards/longer/mean at every eval step is the mean of
     len(completion) + bonus over the very completions the training reward `length` scored for
     eval_reward there (one greedy generation), and nothing else the run logs changes."""
+    run_main(module, argv + ["--output_dir", os.path.join(folder, "plain")], monkeypatch)
+    os.remove(files["calls.jsonl"])
+    run_main(module, argv + ["--eval_reward_fn", f"{files['r.py']}:longer", "--output_dir", os.path.join(folder, "gold")],
+             monkeypatch)
+    with open(files["calls.jsonl"]) as f:
+        calls = [json.loads(line) for line in f]
+    rows, plain = ([json.loads(line) for line in open(os.path.join(folder, out, "metrics.jsonl"))] for out in ("gold", "plain"))
+    eval_steps = list(eval_steps)
     evals = [r for r in rows if "eval_reward" in r]
     assert [r["step"] for r in evals] == eval_steps
     assert [c["step"] for c in calls if c["fn"] == "longer"] == eval_steps  # evaluation only, never in training

@@ -284,17 +284,13 @@ def test_eval_reward_fn_scores_the_eval_completions_apart(tmp_path, tiny_qwen, m
     """--eval_reward_fn: every --eval_steps the same greedy eval completions are also scored by a
     function the run does not train on, logged as eval_rewards/<name>/mean and kept out of
     eval_reward and training; a name of a training reward is refused."""
-    from conftest import check_eval_reward_fn, eval_reward_files, main_error, run_main
+    from conftest import check_eval_reward_fn, eval_reward_files, main_error
 
     f = eval_reward_files(tmp_path)
     argv = ["--model", tiny_qwen, "--dataset", f["prompts.jsonl"], "--reward_fn", f"{f['r.py']}:length",
             "--eval_dataset", f["eval.jsonl"], "--eval_steps", "2", "--max_steps", "4", "--batch_size", "2",
             "--num_generations", "2", "--max_completion_length", "6", "--learning_rate", "1e-3", "--optim", "adamw"]
-    run_main(grpo, argv + ["--output_dir", str(tmp_path / "plain")], monkeypatch)
-    os.remove(f["calls.jsonl"])
-    run_main(grpo, argv + ["--eval_reward_fn", f"{f['r.py']}:longer", "--output_dir", str(tmp_path / "gold")], monkeypatch)
-    calls = [json.loads(line) for line in open(f["calls.jsonl"])]
-    check_eval_reward_fn(_metrics(tmp_path / "gold"), _metrics(tmp_path / "plain"), calls, [2, 4], 5, [100, 110, 120, 130, 140])
+    check_eval_reward_fn(grpo, argv, f, str(tmp_path), monkeypatch)
     bad = main_error(grpo, argv + ["--eval_reward_fn", f"{f['r.py']}:length", "--output_dir", str(tmp_path / "clash")],
                      monkeypatch, capsys)
     assert "--eval_reward_fn" in bad and "a reward named 'length' is already among the training rewards" in bad

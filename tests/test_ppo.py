@@ -303,15 +303,10 @@ def test_eval_reward_fn_scores_the_eval_completions_apart(tmp_path, tiny_qwen, m
     """--eval_reward_fn: every --eval_steps the same greedy eval completions are also scored by a
     function the run does not train on, logged as eval_rewards/<name>/mean and kept out of
     eval_reward (which holds the missing-EOS penalty, the eval function's mean does not) and training."""
-    from conftest import check_eval_reward_fn, eval_reward_files, run_main
+    from conftest import check_eval_reward_fn, eval_reward_files
 
     f = eval_reward_files(tmp_path)
     argv = ["--model", tiny_qwen, "--dataset", f["prompts.jsonl"], "--reward_fn", f"{f['r.py']}:length",
             "--eval_dataset", f["eval.jsonl"], "--eval_steps", "2", "--max_steps", "4", "--batch_size", "4",
             "--num_mini_batches", "1", "--max_completion_length", "6", "--learning_rate", "1e-3", "--optim", "adamw"]
-    run_main(ppo, argv + ["--output_dir", str(tmp_path / "plain")], monkeypatch)
-    os.remove(f["calls.jsonl"])
-    run_main(ppo, argv + ["--eval_reward_fn", f"{f['r.py']}:longer", "--output_dir", str(tmp_path / "gold")], monkeypatch)
-    calls = [json.loads(line) for line in open(f["calls.jsonl"])]
-    rows, plain = ([json.loads(line) for line in open(tmp_path / out / "metrics.jsonl")] for out in ("gold", "plain"))
-    check_eval_reward_fn(rows, plain, calls, [2, 4], 5, [100, 110, 120, 130, 140])
+    check_eval_reward_fn(ppo, argv, f, str(tmp_path), monkeypatch)
