@@ -1,0 +1,110 @@
+"""Can the embedded world's reward model learn to see copy errors? (issue #29, CHANGELOG.md)
+
+The demo's reward model scores a reference and the same summary with one fact copied wrongly
+alike (reward.py's `probe_accuracy`: 0.45-0.55), so PPO and GRPO through it add facts and copy
+errors with them. This study writes preference pairs in which a fifth, "confused" writer copies
+one fact's object or action from another fact of the post (the slip the policies make), labelled
+like the world's pairs (Bradley-Terry on the gold difference at `world.PREF_TEMPERATURE`), on
+posts outside the test split, and measures a reward model's accuracy on the minimal pairs.
+
+    python studies/reward_blindspot.py pairs --seed 0 --share 0.25 --num_pairs 4000 --out runs/x29/prefs_conf25.jsonl
+    python reward.py --model runs/sft --dataset runs/x29/prefs_conf25.jsonl --learning_rate 3e-4 \
+        --lr_scheduler_type cosine --warmup_steps 10 --batch_size 32 --output_dir runs/x29/rm_conf
+    python studies/reward_blindspot.py probe runs/x29/rm_conf --seed 0
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import world  # noqa: E402
+
+
+def confused(rng, facts):
+    """The reference TL;DR with one fact's object (or action) taken from another fact of the post."""
+    f = list(facts)
+    i = rng.randrange(len(f))
+    p, a, o = f[i]
+    if rng.random() < 0.5:
+        others = [x[2] for x in facts if x[2] != o] or [x for x in world.OBJECTS if x != o]
+        f[i] = (p, a, rng.choice(others))
+    else:
+        others = [x[1] for x in facts if x[1] != a] or [x for x in world.ACTIONS if x != a]
+        f[i] = (p, rng.choice(others), o)
+    return world.reference_summary(f)
+
+
+def pairs(seed, share, num_pairs):
+    """Preference rows (prompt, chosen, rejected, gold scores) with a `share` of confused writers."""
+    rng = random.Random(1000 + seed)
+    kinds = {k: v * (1 - share) for k, v in world.ANNOTATORS.items()}
+    kinds["confused"] = share
+    test_posts = set(world.build_world(seed)["test"]["post"])
+    rows = []
+    while len(rows) < num_pairs:
+        post, facts = world.make_post(rng)
+        if post in test_posts:
+            continue
+        written = []
+        for _ in range(2):  # each writer drawn, then writes, in turn
+            k = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+            written.append(confused(rng, facts) if k == "confused" else world.annotate(rng, post, facts, k))
+        a, b = written
+        if a == b:
+            continue
+        ga, gb = world.gold_score(post, a), world.gold_score(post, b)
+        if rng.random() >= 1 / (1 + math.exp(-(ga - gb) / world.PREF_TEMPERATURE)):
+            a, b, ga, gb = b, a, gb, ga  # the labeller preferred b
+        rows.append({"prompt": world.PROMPT_TEMPLATE.format(post=post), "chosen": " " + a,
+                     "rejected": " " + b, "chosen_gold": ga, "rejected_gold": gb})
+    return rows
+
+
+def probe(folder, seed):
+    """A reward model's accuracy on the world's minimal pairs (world.probe_pairs, test posts)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import sampling
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = {}
+    for kind, (prompts, good, bad) in world.probe_pairs(world.build_world(seed)["test"], seed).items():
+        with torch.no_grad():
+            g = sampling.reward_model_scores(model, tokenizer, prompts, good)
+            b = sampling.reward_model_scores(model, tokenizer, prompts, bad)
+        out[kind] = round(float((g > b).float().mean()), 3)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pairs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--share", type=float, default=0.25)
+    p.add_argument("--num_pairs", type=int, default=4000)
+    p.add_argument("--out", required=True)
+    q = sub.add_parser("probe")
+    q.add_argument("model")
+    q.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.cmd == "pairs":
+        rows = pairs(args.seed, args.share, args.num_pairs)
+        agree = [1.0 if r["chosen_gold"] > r["rejected_gold"] else 0.5 if r["chosen_gold"] == r["rejected_gold"] else 0.0
+                 for r in rows]
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"{len(rows)} pairs to {args.out}; label-noise ceiling {sum(agree) / len(agree):.3f}")
+    else:
+        print(json.dumps({"model": args.model, "probe_accuracy": probe(args.model, args.seed)}))
+
+
+if __name__ == "__main__":
+    main()
