@@ -213,6 +213,16 @@ PREF_TEMPERATURE = 0.1  # P(a preferred over b) = sigmoid((gold_a - gold_b) / T)
 SPLIT_SIZES = {"sft": 8000, "prefs": 4000, "rl": 2000, "test": 200}
 
 
+def label_pair(rng, post, a, b):
+    """A preference row for two summaries of `post`: the labeller prefers a with probability
+    sigmoid((gold_a - gold_b) / PREF_TEMPERATURE), a noisy Bradley-Terry draw."""
+    ga, gb = gold_score(post, a), gold_score(post, b)
+    if rng.random() >= 1 / (1 + math.exp(-(ga - gb) / PREF_TEMPERATURE)):
+        a, b, ga, gb = b, a, gb, ga  # the labeller preferred b
+    return {"prompt": PROMPT_TEMPLATE.format(post=post), "chosen": " " + a, "rejected": " " + b,
+            "post": post, "chosen_gold": ga, "rejected_gold": gb}
+
+
 def build_world(seed=0, sizes=None):
     """The world's splits as `datasets.Dataset`s in TRL's standard formats.
 
@@ -253,11 +263,7 @@ def build_world(seed=0, sizes=None):
         b = annotate(rng, post, facts, sample_annotator(rng))
         if a == b:
             continue
-        ga, gb = gold_score(post, a), gold_score(post, b)
-        if rng.random() >= 1 / (1 + math.exp(-(ga - gb) / PREF_TEMPERATURE)):
-            a, b, ga, gb = b, a, gb, ga  # the labeller preferred b
-        prefs.append({"prompt": prompt(post), "chosen": " " + a, "rejected": " " + b,
-                      "post": post, "chosen_gold": ga, "rejected_gold": gb})
+        prefs.append(label_pair(rng, post, a, b))
     rl = []
     for _ in range(sizes["rl"]):
         post, _facts = fresh_post()
@@ -289,6 +295,17 @@ def write_jsonl(world, folder):
                 f.write(json.dumps(row) + "\n")
 
 
+def miscopy(rng, facts, i, field):
+    """`facts` with fact i's object (field 2) or action (field 1) taken from another fact of the
+    post, or any other one when all facts share it: the copy error a from-scratch policy makes."""
+    old = facts[i][field]
+    lexicon = OBJECTS if field == 2 else ACTIONS
+    others = [x[field] for x in facts if x[field] != old] or [x for x in lexicon if x != old]
+    wrong = list(facts[i])
+    wrong[field] = rng.choice(others)
+    return [tuple(wrong) if j == i else x for j, x in enumerate(facts)]
+
+
 def probe_pairs(split, seed=0):
     """Minimal pairs for a reward model: the reference TL;DR of each post against a copy with
     one error of one kind, so accuracy on each kind says what the reward model can see.
@@ -312,12 +329,8 @@ def probe_pairs(split, seed=0):
             p, a, o = f[i]
             if kind == "omission":
                 f.pop(i)
-            elif kind == "wrong_object":
-                others = [x[2] for x in facts if x[2] != o] or [x for x in OBJECTS if x != o]
-                f[i] = (p, a, rng.choice(others))
-            elif kind == "wrong_action":
-                others = [x[1] for x in facts if x[1] != a] or [x for x in ACTIONS if x != a]
-                f[i] = (p, rng.choice(others), o)
+            elif kind in ("wrong_object", "wrong_action"):
+                f = miscopy(rng, facts, i, 2 if kind == "wrong_object" else 1)
             else:
                 f[i] = (rng.choice([x for x in PEOPLE if x not in named]), a, o)
             prompts.append(row["prompt"])

@@ -15,7 +15,6 @@ posts outside the test split, and measures a reward model's accuracy on the mini
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -26,20 +25,12 @@ import world  # noqa: E402
 
 def confused(rng, facts):
     """The reference TL;DR with one fact's object (or action) taken from another fact of the post."""
-    f = list(facts)
-    i = rng.randrange(len(f))
-    p, a, o = f[i]
-    if rng.random() < 0.5:
-        others = [x[2] for x in facts if x[2] != o] or [x for x in world.OBJECTS if x != o]
-        f[i] = (p, a, rng.choice(others))
-    else:
-        others = [x[1] for x in facts if x[1] != a] or [x for x in world.ACTIONS if x != a]
-        f[i] = (p, rng.choice(others), o)
-    return world.reference_summary(f)
+    i = rng.randrange(len(facts))
+    return world.reference_summary(world.miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
 
 
 def pairs(seed, share, num_pairs):
-    """Preference rows (prompt, chosen, rejected, gold scores) with a `share` of confused writers."""
+    """Preference rows (world.label_pair's) with a `share` of confused writers."""
     rng = random.Random(1000 + seed)
     kinds = {k: v * (1 - share) for k, v in world.ANNOTATORS.items()}
     kinds["confused"] = share
@@ -53,14 +44,8 @@ def pairs(seed, share, num_pairs):
         for _ in range(2):  # each writer drawn, then writes, in turn
             k = rng.choices(list(kinds), weights=list(kinds.values()))[0]
             written.append(confused(rng, facts) if k == "confused" else world.annotate(rng, post, facts, k))
-        a, b = written
-        if a == b:
-            continue
-        ga, gb = world.gold_score(post, a), world.gold_score(post, b)
-        if rng.random() >= 1 / (1 + math.exp(-(ga - gb) / world.PREF_TEMPERATURE)):
-            a, b, ga, gb = b, a, gb, ga  # the labeller preferred b
-        rows.append({"prompt": world.PROMPT_TEMPLATE.format(post=post), "chosen": " " + a,
-                     "rejected": " " + b, "chosen_gold": ga, "rejected_gold": gb})
+        if written[0] != written[1]:
+            rows.append(world.label_pair(rng, post, *written))
     return rows
 
 
