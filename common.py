@@ -1,6 +1,6 @@
 """What every script needs to run: arguments and their defaults, loading models, tokenizers and
 references, the 8-bit optimizer, reward models, the embedded world's gold evaluation, and the NaN
-guards (reward functions: rewards.py, re-exported here). No algorithm lives here: losses, advantages, KL and clipping stay in sft.py / reward.py /
+guards (reward functions: reward_contract.py, re-exported here). No algorithm lives here: losses, advantages, KL and clipping stay in sft.py / reward.py /
 ppo.py / dpo.py / grpo.py.
 
 common.py stands above the modules it composes and none of them imports it (the floors are listed
@@ -11,7 +11,7 @@ re-exports so that a script writes common.fail). The other shared modules, by re
 - tracking.py: metrics.jsonl, the console, trackers, --log_completions;
 - checkpoints.py: the output folder, checkpoints, the final save and resume;
 - lora.py: LoRA / QLoRA adapters and the adapters-off reference;
-- rewards.py: TRL's reward-function contract (loading, calling by keyword, None, the weighted sum);
+- reward_contract.py: TRL's reward-function contract (loading, calling by keyword, None, the weighted sum);
 - sandbox.py: generated code run against unit tests in a limited process (the execution verifiers);
 - parallel.py (torchrun) and memory.py (the memory plan and its measurement), which nobody
   needs to read to fork a script.
@@ -35,7 +35,7 @@ import world
 from basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
     ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, code_split, device,
     embedded_world, fail, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
-from rewards import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
+from reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
     REWARD_KWARGS, call_reward_fns, load_eval_reward_fns, load_reward_fn, load_reward_fns, parse_reward_weights,
     weighted_rewards)
 

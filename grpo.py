@@ -45,7 +45,7 @@ the execution verifiers (`--reward_fn exec_tests`, `exec_tests_strict`: the comp
 against the `tests` column in sandbox.py's limited process),
 a reward model saved by reward.py (`--reward_model runs/reward`), a user function
 `--reward_fn rewards.py:fn` called as TRL calls it (by keyword: prompts, completions,
-completion_ids, the other columns, trainer_state, log_extra, log_metric; rewards.call_reward_fns),
+completion_ids, the other columns, trainer_state, log_extra, log_metric; reward_contract.call_reward_fns),
 or a weighted sum of several (`--reward_weights`). As in TRL, a function may return None for a
 completion it does not apply to: the sum leaves it out, and a completion no function applies to
 gets reward NaN, is left out of its group's mean and std, and gets advantage 0.
