@@ -205,7 +205,8 @@ def _spawn(code, tests, timeout, slot):
         report = marshal.loads(raw) if raw else None
     except (ValueError, EOFError, TypeError):  # torn or forged: no result
         report = None
-    if timed_out:
+    # RLIMIT_CPU is the wall limit's ceiling: a busy loop can reach it (SIGXCPU) just before the deadline
+    if timed_out or proc.returncode == -signal.SIGXCPU:
         return "timeout", (), output, report
     if not isinstance(report, dict):
         return "crashed", (), output + f"\n[exit code {proc.returncode}]", report

@@ -54,6 +54,15 @@ def test_infinite_loop_times_out():
     assert reward == 0 and result.status == "timeout" and seconds >= TIMEOUT - 0.1
 
 
+def test_the_cpu_limit_reached_before_the_deadline_is_a_timeout(monkeypatch):
+    """RLIMIT_CPU (SIGXCPU) is the wall limit's ceiling, and a busy loop can reach it first: still a
+    timeout, never a crash (a tool's reply said "error: [exit code -24]" on an idle machine)."""
+    limits = sandbox._limits
+    monkeypatch.setattr(sandbox, "_limits", lambda timeout: {**limits(timeout), "RLIMIT_CPU": 1})
+    result = sandbox.run_batch([("while True:\n    pass", ["assert False"])], timeout=30.0)[0]
+    assert result.status == "timeout" and result.passed == (False,)
+
+
 def test_ignored_signals_do_not_outlive_the_limit():
     code = ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU, signal.SIGALRM):\n"
             "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass")
