@@ -56,7 +56,7 @@ class Args(TrainArgs):
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
     hidden_size: int = field(default=192, metadata={"help": "From-scratch model only (any --dataset): hidden size of the tiny Qwen2."})
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
-    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own word vocabulary on 'embedded', char on embedded:arith and embedded:code, word on other datasets."})
+    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own byte-level BPE on 'embedded' (world.build_tokenizer), char on embedded:arith and embedded:code, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})

@@ -81,14 +81,21 @@ def sft_data(tmp_path):
 
 
 class SavedBytes:
-    """Bytes autograd saves for backward while it is active (torch.autograd.graph.saved_tensors_hooks)."""
+    """Bytes autograd saves for backward while it is active (torch.autograd.graph.saved_tensors_hooks).
+    With `exclude` (a model's parameters) it counts the activations alone, as memory.activation_plan
+    plans them: each storage once, and none of those parameters'."""
 
-    def __init__(self):
+    def __init__(self, exclude=None):
         self.bytes = 0
+        self._skip = None if exclude is None else {p.untyped_storage().data_ptr() for p in exclude}
 
     def __enter__(self):
         def pack(t):
-            self.bytes += t.numel() * t.element_size()
+            if self._skip is None:
+                self.bytes += t.numel() * t.element_size()
+            elif t.untyped_storage().data_ptr() not in self._skip:
+                self._skip.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
             return t
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)

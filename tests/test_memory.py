@@ -16,7 +16,7 @@ import common
 import memory
 import sampling
 import sft
-from conftest import ROOT
+from conftest import ROOT, SavedBytes
 
 STATIC = ("policy weights", "gradients", "optimizer states")
 
@@ -53,19 +53,12 @@ def test_activation_plan_matches_saved_tensors():
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
         config._attn_implementation = "sdpa"
         model = Qwen2ForCausalLM(config).to(dtype).train()
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in weights:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         ids = torch.randint(0, 300, (3, 40))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes(exclude=model.parameters()) as s:
             sampling.backbone(model)(input_ids=ids, use_cache=False)
+        saved = s.bytes
         plan = memory.activation_plan(config, ids.numel(), dtype.itemsize, checkpointing=False)
-        assert abs(sum(saved.values()) - plan) <= 0.05 * plan, (dtype, sum(saved.values()), plan)
+        assert abs(saved - plan) <= 0.05 * plan, (dtype, saved, plan)
 
 
 @pytest.fixture(scope="module")
