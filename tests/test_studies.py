@@ -116,3 +116,48 @@ def test_reward_blindspot_pairs_miscopy_one_fact_and_skip_test_posts(monkeypatch
                                              and len(t.split(".")) - 1 == len(world.key_facts(world.post_from_prompt(r["prompt"])))
                                              for t in (r["chosen"], r["rejected"]))]
     assert len(confused_rows) > 50  # half the writers are confused
+
+
+def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
+    """studies/unused_rows.py: at a greedy stop before the post's last fact, the probabilities of
+    EOS and of the names are the model's; rows frozen at zero stay zero through an optimizer step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import scratch
+    import world
+    study = _study("unused_rows")
+    tok = world.build_tokenizer()
+    post = "bob sold the car . i think alice lost the red kettle ."
+    clause = tok(" bob sold car .", add_special_tokens=False)["input_ids"]
+    names = [tok(" " + p, add_special_tokens=False)["input_ids"][0] for p in world.PEOPLE]
+
+    class Scripted:  # writes the first fact's clause, then: EOS 0.4, five names 0.1 each, " ." 0.1
+        def __call__(self, input_ids):
+            written = input_ids.shape[1] - prompt_len
+            probs = torch.zeros(len(tok))
+            if written < len(clause):
+                probs[clause[written]] = 1.0
+            else:
+                probs[tok.eos_token_id], probs[names[:5]], probs[clause[-1]] = 0.4, 0.1, 0.1
+            return SimpleNamespace(logits=probs.log()[None, None])
+
+    prompt = world.PROMPT_TEMPLATE.format(post=post)
+    prompt_len = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    got = study.early_stops(Scripted(), tok, {"prompt": [prompt], "post": [post]})
+    assert got == {"early_stops": 1, "early_stops_names_above_eos": 1, "early_stop_p_eos": 0.4,
+                   "early_stop_p_names": 0.5, "early_stop_p_top_name": 0.1}
+
+    world_rows = world.build_world(0, sizes={"sft": 20, "prefs": 2, "rl": 2, "test": 2})["sft"]
+    texts = [p + c for p, c in zip(world_rows["prompt"], world_rows["completion"])]
+    model = study.freeze_zero_rows(scratch.build_model(tok, 32, 1, 0, texts=texts))
+    weight = model.get_input_embeddings().weight
+    zero = (weight == 0).all(1)
+    assert 400 < int(zero.sum()) < len(tok)  # the bytes and merges the text never uses
+    before = weight.detach().clone()
+    ids = torch.tensor([tok(texts[0], add_special_tokens=False)["input_ids"]])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert torch.equal(weight[zero], before[zero]) and not torch.equal(weight[~zero], before[~zero])
