@@ -182,7 +182,7 @@ def check_readable(tokenizer, texts, model, spec, rows=16):
     ids = [i for t in texts[:rows] for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
     if not ids:
         return
-    has_words = any(len(t) > 1 and t.isalpha() for t in tokenizer.get_vocab())  # not a character-level tokenizer
+    has_words = any(len(t.strip()) > 1 and t.strip().isalpha() for t in tokenizer.get_vocab())  # not a character-level one
     pieces = tokenizer.convert_ids_to_tokens(ids)
     n_bad = sum(i == tokenizer.unk_token_id or (has_words and len(p) == 1 and p.isalpha()) for i, p in zip(ids, pieces))
     if n_bad > len(ids) / 2:

@@ -48,6 +48,20 @@ def word_tokenizer(texts):
     return _wrap(tok)
 
 
+def added_words_tokenizer(words, bare=()):
+    """A byte-level tokenizer in Qwen2's layout over all 256 bytes, without merges, in which every
+    word of `words` with its leading space (" carol"), and each of `bare` as it is ("POST:"), is an
+    added token: one token per word, and any other text byte by byte. A BPE whose merges make each
+    word one token also holds every intermediate merge (" c", " ca", ...), rows the text never uses
+    that made the TL;DR world's from-scratch policy copy facts wrongly (README, "The embedded world")."""
+    from tokenizers import AddedToken, pre_tokenizers
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = _qwen2_layout({"vocab": {t: i for i, t in enumerate(SPECIAL_TOKENS + symbols)}, "merges": []})
+    tok.add_tokens([AddedToken(" " + w, normalized=False) for w in words] + [AddedToken(w, normalized=False) for w in bare])
+    return _wrap(tok)
+
+
 def char_tokenizer(texts):
     """A character-level tokenizer over the byte-level symbols that occur in `texts`."""
     from tokenizers import pre_tokenizers

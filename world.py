@@ -350,8 +350,8 @@ def vocabulary():
 
 
 def build_tokenizer():
-    """The world's tokenizer (scratch.word_tokenizer): a byte-level BPE in Qwen2's layout in which
-    every word of the world, with or without its leading space, and a sentence end before the
-    newline (" .\n") is one token, so `AutoTokenizer` loads it exactly; pad and EOS are distinct."""
-    words = vocabulary()
-    return scratch.word_tokenizer(words + [" " + w for w in words] + [f" {p}\n" for p in ".?!"])
+    """The world's tokenizer (scratch.added_words_tokenizer): Qwen2's byte-level layout over the
+    256 bytes, with every word of the world after its space (" carol", " .") and "POST:", "TL;DR:"
+    one added token each, so `AutoTokenizer` loads it exactly; pad and EOS are distinct."""
+    bare = ("POST:", "TL;DR:")
+    return scratch.added_words_tokenizer([w for w in vocabulary() if w not in bare], bare)

@@ -35,7 +35,14 @@ import sft  # noqa: E402
 import world  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BPE = world.build_tokenizer  # the world's own, before run() swaps it
+WORLD = world.build_tokenizer  # the world's own, before run() swaps it
+
+
+def BPE():
+    """The world's tokenizer before 2026-12-04 (commit 9a4f5b8): a byte-level BPE in Qwen2's layout
+    whose merges make every word, with or without its leading space, and " .\n" one token."""
+    words = world.vocabulary()
+    return scratch.word_tokenizer(words + [" " + w for w in words] + [f" {p}\n" for p in ".?!"])
 
 
 def word_level(pad_to=0):
@@ -49,6 +56,19 @@ def word_level(pad_to=0):
     return scratch._wrap(tok)
 
 
+def added_words(alphabet=""):
+    """A prototype: Qwen2's layout with the world's characters (and `alphabet`) as the BPE (no
+    merges) and every world word, with its leading space (and "POST:", "TL;DR:" without), as an
+    added token."""
+    from tokenizers import AddedToken
+
+    words = world.vocabulary()
+    tok = scratch.char_tokenizer([" ".join(words) + "\n" + alphabet]).backend_tokenizer
+    tok.add_tokens([AddedToken(" " + w, normalized=False) for w in words]
+                   + [AddedToken(w, normalized=False) for w in ("POST:", "TL;DR:")])
+    return scratch._wrap(tok)
+
+
 VARIANTS = {  # name -> (tokenizer, rows the text never contains: "random" | "zero" | "frozen" at zero)
     "word": (word_level, "random"),
     "word633": (lambda: word_level(len(BPE())), "random"),
@@ -57,6 +77,10 @@ VARIANTS = {  # name -> (tokenizer, rows the text never contains: "random" | "ze
     "bpe_random": (BPE, "random"),
     "bpe_zero": (BPE, "zero"),
     "bpe_frozen": (BPE, "frozen"),
+    "added": (added_words, "zero"),
+    "added_ascii": (lambda: added_words("".join(map(chr, range(32, 127))) + "\t"), "zero"),
+    "added_bytes": (lambda: added_words("".join(map(chr, range(256)))), "zero"),
+    "world": (WORLD, "zero"),
 }
 
 
@@ -84,7 +108,7 @@ def run(variant, seed, max_steps, output_dir):
         sft.main()
         seconds = time.time() - start
     finally:
-        world.build_tokenizer, scratch.build_model = BPE, build
+        world.build_tokenizer, scratch.build_model = WORLD, build
     return {"variant": variant, "vocab": len(make_tokenizer()), "seed": seed, "max_steps": max_steps,
             **score(variant, output_dir), "seconds": round(seconds)}
 

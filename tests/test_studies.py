@@ -154,7 +154,7 @@ def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
     model = study.freeze_zero_rows(scratch.build_model(tok, 32, 1, 0, texts=texts))
     weight = model.get_input_embeddings().weight
     zero = (weight == 0).all(1)
-    assert 400 < int(zero.sum()) < len(tok)  # the bytes and merges the text never uses
+    assert 250 < int(zero.sum()) < len(tok)  # the bytes the text never uses
     before = weight.detach().clone()
     ids = torch.tensor([tok(texts[0], add_special_tokens=False)["input_ids"]])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
