@@ -38,7 +38,7 @@ Departures from the paper and from TRL:
   summarization world only (without it, DPO on the annotators' pairs adds copied-wrong clauses
   and its greedy gold only ties the SFT policy's: CHANGELOG.md; the arithmetic world's pairs are
   verified, so there it trains plain DPO), 500 steps offline (4.4 passes over the 3600 training
-  pairs; 250 gave gold 0.822 on seed 0, 500 0.865: README), 3e-4 online, and online samples of
+  pairs; 250 gave gold 0.822 on seed 0, 500 0.865: CHANGELOG.md), 3e-4 online, and online samples of
   48 tokens at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
 
 --eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the

@@ -91,8 +91,8 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
 
     `texts` (the training text, optional): the embedding rows of the (non-special) tokens that it
     never contains start at zero instead of random. A byte-level vocabulary holds many such tokens
-    (the 256 bytes and BPE's intermediate merges: 521 of the TL;DR world's 633); a char-level one
-    holds none. With tied embeddings a
+    (the 256 byte symbols: 256 of the TL;DR world's 365; a word-level BPE also holds its
+    intermediate merges); a char-level one holds none. With tied embeddings a
     random row is a random output direction that the softmax must push down; ~500 of them span
     the hidden space, and an SFT policy trained among them copies facts wrongly far more often
     (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
@@ -108,7 +108,7 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
         num_hidden_layers=num_layers, num_attention_heads=heads,
         # every head has its own keys and values (Qwen2.5-1.5B shares 2 among 12): with shared
         # KV heads the SFT policy copies facts wrongly far more often, and a reward model can't
-        # see such copy errors (`probe_pairs`); the README's Results give the measurements.
+        # see such copy errors (`probe_pairs`); CHANGELOG.md gives the measurements.
         num_key_value_heads=heads,
         max_position_embeddings=MAX_LENGTH, tie_word_embeddings=True, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -11,7 +11,7 @@ Departures from the paper and from TRL:
   on the embedded TL;DR world (world.py) with its tokenizer (one token per word of its
   vocabulary), which is what the tests and `make demo` run; on any other --dataset (the
   arithmetic and code worlds, a .jsonl) with a character- or word-level tokenizer fitted to the training
-  text (--scratch_tokenizer). All are byte-level BPEs that AutoTokenizer loads exactly (scratch.py).
+  text (--scratch_tokenizer). All are in Qwen2's byte-level layout, which AutoTokenizer loads exactly (scratch.py).
 - `messages` rows train on every assistant turn (TRL's assistant_only_loss); the other turns are masked.
 - A `tools` column (TRL's): each row's JSON schemas go to the chat template's `tools=` argument,
   as grpo.py --tools renders its prompts; None in a row: no tools listed. On embedded:arith_tools
@@ -56,7 +56,7 @@ class Args(TrainArgs):
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
     hidden_size: int = field(default=192, metadata={"help": "From-scratch model only (any --dataset): hidden size of the tiny Qwen2."})
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
-    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own byte-level BPE on 'embedded' (world.build_tokenizer), char on embedded:arith and embedded:code, word on other datasets."})
+    scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own byte-level tokenizer on 'embedded' (world.build_tokenizer), char on embedded:arith and embedded:code, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
