@@ -20,9 +20,19 @@ CHAT_TEMPLATE = (
 )
 
 
+# words outside the world that the tests' prompts for "any causal LM" use ("say 3", "write f that
+# adds 1"): a pretrained tokenizer has them, and without them data.check_readable rightly stops
+# those runs (most of their tokens would be single letters)
+FOREIGN_WORDS = ["say", "write", "f", "adds"]
+
+
 def chat_tokenizer():
-    """The world's tokenizer with role tokens and CHAT_TEMPLATE: an instruct model's tokenizer in small."""
+    """The world's tokenizer with role tokens, a few words outside the world and CHAT_TEMPLATE: an
+    instruct model's tokenizer in small."""
+    from tokenizers import AddedToken
+
     tok = world.build_tokenizer()
+    tok.add_tokens([AddedToken(" " + w, normalized=False) for w in FOREIGN_WORDS])
     tok.add_tokens(["<|system|>", "<|user|>", "<|assistant|>"], special_tokens=True)
     tok.chat_template = CHAT_TEMPLATE
     return tok

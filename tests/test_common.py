@@ -25,10 +25,12 @@ def _args(**kw):
 def test_encode_pads_and_eos():
     tok = world.build_tokenizer()
     ids, mask = data.encode_prompts(tok, ["POST: a", "POST: alice bought the bike . TL;DR:"], max_length=4)
-    assert ids.shape == (2, 4) and mask[0].tolist() == [0, 1, 1, 1] and mask[1].tolist() == [1, 1, 1, 1]
-    assert tok.convert_ids_to_tokens(ids[1, -3:]) == ["ĠTL", ";DR", ":"]  # too-long prompts keep their end
+    # "POST:" and " a" are one token each (added tokens), padded on the left
+    assert ids.shape == (2, 4) and mask[0].tolist() == [0, 0, 1, 1] and mask[1].tolist() == [1, 1, 1, 1]
+    assert ids[0, :2].tolist() == [tok.pad_token_id] * 2 and tok.convert_ids_to_tokens(ids[0, 2:]) == ["POST:", " a"]
+    assert tok.convert_ids_to_tokens(ids[1, -3:]) == [" .", "Ġ", "TL;DR:"]  # too-long prompts keep their end
     c, cm = data.encode_completions(tok, [" alice", " alice bought bike ."])
-    assert c[0].tolist()[:2] == [tok.convert_tokens_to_ids("Ġalice"), tok.eos_token_id]
+    assert c[0].tolist()[:2] == [tok.convert_tokens_to_ids(" alice"), tok.eos_token_id]
     assert cm[0].tolist() == [1, 1, 0, 0, 0] and c[0, 2] == tok.pad_token_id
     assert c[1, -1] == tok.eos_token_id
 

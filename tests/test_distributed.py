@@ -117,7 +117,7 @@ def test_ppo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
     import ppo
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(16)))
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i:02d} . TL;DR:"}) + "\n" for i in range(16)))
     (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [0.1 * len(c) for c in completions]\n")
     argv = ["--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:length", "--max_steps", "3",
             "--num_mini_batches", "1", "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "2",
@@ -127,8 +127,9 @@ def test_ppo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
     run = _launch(["ppo.py", *argv, "--batch_size", "4", "--output_dir", two], nproc=2)
     run_main(ppo, argv + ["--batch_size", "8", "--output_dir", one], monkeypatch)
     assert _finish(run).count("saved to") == 1
-    # the same samples (num_tokens, reward); kl after two updates at lr 1e-2 agrees to 3e-5 relative (batches of
-    # 4 and 8 pad to other widths, so the matmuls round differently), within grad_norm's 1e-4
+    # the same samples (num_tokens, reward); kl after two updates at lr 1e-2 agrees to 1e-4 relative (the prompts
+    # have one length; batches of 4 and 8 pad their completions to other widths, so the matmuls round differently:
+    # with prompts of two lengths, 1.3e-4), within grad_norm's 1e-4
     _assert_same_training(one, two, keys=("num_tokens", "reward", "kl", "rlhf_reward", "completions/mean_length"), steps=3,
                           rel=1e-4)
     rows = _metrics(one)

@@ -156,7 +156,7 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     run_script("grpo.py", "--model", tiny_qwen, "--output_dir", out, "--max_steps", "4", "--batch_size", "2",
                "--num_generations", "4", "--max_completion_length", "8", "--num_iterations", "2",
                "--save_steps", "2", "--learning_rate", "1e-3", "--optim", "adamw", "--max_prompt_length", "12",
-               "--seed", "1")  # seed 1: the first rollout's rewards differ within a group, so the policy moves
+               "--seed", "4")  # seed 4: the first rollout's rewards differ within a group, so the policy moves
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(k in rows[0] for k in METRICS)

@@ -150,9 +150,12 @@ def test_every_assistant_turn_is_trained_and_nothing_else(tmp_path):
     trained = [tok.convert_ids_to_tokens(t) for t, k in zip(ids[0].tolist(), loss_mask[0].tolist()) if k]
     masked = [tok.convert_ids_to_tokens(t) for t, m, k in zip(ids[0].tolist(), mask[0].tolist(), loss_mask[0].tolist())
               if m and not k]
-    # (the template writes a space around each turn, which the byte-level tokenizer keeps as "Ġ")
-    assert trained == "Ġalice Ġbought Ġbike Ġ. Ġ <eos> Ġ Ġbob Ġlost Ġphone Ġ. Ġ <eos> Ġ Ġnice Ġ. Ġ <eos> Ġ".split()
-    assert masked == "<|user|> Ġwhat Ġdid Ġbob Ġdo Ġ? Ġ <|assistant|> <|user|> Ġso Ġ? Ġ <|assistant|>".split()
+    # (each word with its leading space is one added token, " alice"; the template writes a space
+    # around each turn, which the byte-level tokenizer keeps as the byte "Ġ")
+    assert trained == [" alice", " bought", " bike", " .", "Ġ", "<eos>", "Ġ", " bob", " lost", " phone", " .", "Ġ",
+                       "<eos>", "Ġ", " nice", " .", "Ġ", "<eos>", "Ġ"]
+    assert masked == ["<|user|>", " what", " did", " bob", " do", " ?", "Ġ", "<|assistant|>", "<|user|>", " so", " ?", "Ġ",
+                      "<|assistant|>"]
     # prompt + completion rows: every completion token (and EOS) is trained, as before
     plain_ids, plain_mask = data.encode_completions(tok, [" bike ."])
     assert torch.equal(ids[1, :plain_ids.shape[1]], plain_ids[0]) and torch.equal(loss_mask[1, :plain_ids.shape[1]], plain_mask[0])
