@@ -188,8 +188,8 @@ def test_offline_on_conversational_preferences(tmp_path, tiny_llama):
                                 "rejected": [user, {"role": "assistant", "content": "bob lost phone ."}]}) + "\n")
     out = str(tmp_path / "dpo_chat")
     proc = run_script("dpo.py", "--model", tiny_llama, "--dataset", str(data), "--output_dir", out,
-                      "--max_steps", "3", "--batch_size", "2", "--learning_rate", "1e-2", "--warmup_steps", "0",
-                      "--loss_type", "ipo", "--optim", "adamw")
+                      "--max_steps", "3", "--batch_size", "2", "--learning_rate", "3e-3", "--warmup_steps", "0",
+                      "--loss_type", "ipo", "--optim", "adamw")  # at 1e-2 the third step overshoots (margin 0.066 -> -0.013)
     assert "6 preference pairs" in proc.stdout
     rows = _metrics(out)
     assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
