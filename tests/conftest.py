@@ -38,6 +38,33 @@ def chat_tokenizer():
     return tok
 
 
+def uniform_words_model(path):
+    """A tiny Llama with the chat tokenizer that samples every token uniformly and stops with
+    probability ~0.2 per token (so completions vary in length and many end with EOS); greedy
+    decoding stops at once. Built from zeroed weights: the residual stream's dimension 0 is
+    constant, the final norm keeps only it, and the head reads it into the EOS logit alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = chat_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id, 0] = 0.9  # EOS logit ~5, every other 0
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return tok
+
+
 def run_script(*argv, timeout=600, check=True):
     """Run one of the project's scripts as a user would, in a subprocess."""
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, chat_tokenizer
+from conftest import ROOT, chat_tokenizer, uniform_words_model
 
 import common
 import data
@@ -173,33 +173,6 @@ async def async_judge(prompts, completions, log_metric=None, **kwargs):
 FN_NAMES = ["reward_len", "think_format_reward", "accuracy_reward", "longer_than_prompt", "even_length_only", "async_judge"]
 WEIGHTS = [0.5, 1.0, 2.0, -1.0, 0.25, 0.1]
 WORDS = ["alice", "bob", "bike", "phone", "car", "lost", "bought", "the"]
-
-
-def uniform_words_model(path):
-    """A tiny Llama with the chat tokenizer that samples every token uniformly and stops with
-    probability ~0.2 per token (so completions vary in length and many end with EOS); greedy
-    decoding stops at once. Built from zeroed weights: the residual stream's dimension 0 is
-    constant, the final norm keeps only it, and the head reads it into the EOS logit alone."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = chat_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0
-            layer.mlp.down_proj.weight[0] = 0
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[tok.eos_token_id, 0] = 0.9  # EOS logit ~5, every other 0
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return tok
 
 
 @pytest.fixture(scope="module")

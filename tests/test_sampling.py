@@ -153,14 +153,16 @@ def test_each_rank_draws_only_its_own_rows_noise(tiny_qwen, monkeypatch):
 
 
 # ------------------------------------------------------------------ generation
-def test_generate_masks_after_eos_and_flags_truncation():
-    tok = world.build_tokenizer()
-    model = world.build_model(tok, hidden_size=64, num_layers=2)
-    with torch.no_grad():  # make EOS likely after a couple of tokens but not certain
-        model.lm_head.weight[tok.eos_token_id] *= 0
+def test_generate_masks_after_eos_and_flags_truncation(tmp_path):
+    from conftest import uniform_words_model
+    from transformers import AutoModelForCausalLM
+
+    tok = uniform_words_model(tmp_path)  # EOS with probability ~0.2 per token: likely, not certain
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"] * 16)
     torch.manual_seed(0)
     c, cm, truncated = sampling.generate(model, tok, ids, mask, max_new_tokens=6, temperature=1.0)
+    assert 0 < truncated.sum() < 16  # both cases below occur
     for row, m, tr in zip(c.tolist(), cm.tolist(), truncated.tolist()):
         n = sum(m)
         assert m == [1] * n + [0] * (len(m) - n)
