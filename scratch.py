@@ -93,7 +93,7 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     never contains start at zero instead of random. A byte-level vocabulary holds many such tokens
     (the 256 byte symbols: 256 of the TL;DR world's 365; a word-level BPE also holds its
     intermediate merges); a char-level one holds none. With tied embeddings a
-    random row is a random output direction that the softmax must push down; ~500 of them span
+    random row is a random output direction that the softmax must push down; a few hundred of them span
     the hidden space, and an SFT policy trained among them copies facts wrongly far more often
     (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
     updates, so they stay one shared direction (exactly with fp32 AdamW states; with the default
