@@ -13,7 +13,9 @@ install:
 # The whole pipeline on the embedded world (README, "Results"). SEED sets every stage's --seed
 # (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another
 # seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
-# their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO from SFT alone); each
+# their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO and PPO with the gold judge
+# as its reward from SFT alone: that run is the same PPO as the one through the reward model, so the gap
+# between the two is the reward model's); each
 # writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders. Two stages are tuned
 # to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
@@ -23,7 +25,7 @@ SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2
 SFT_THREADS ?= 2
-DEMO_STAGES = demo-reward demo-dpo demo-ppo demo-grpo_rm demo-dpo_online demo-grpo
+DEMO_STAGES = demo-reward demo-dpo demo-ppo demo-grpo_rm demo-dpo_online demo-grpo demo-ppo_gold
 .PHONY: demo-sft $(DEMO_STAGES) demo-eval
 demo: install
 	@[ ! -d $(RUNS)/sft ] || echo "demo: $(RUNS)/ holds an earlier demo: each stage replaces its folder (--overwrite_output_dir)"
@@ -51,8 +53,10 @@ demo-dpo_online: demo-sft
 	$(call demo_stage,dpo_online,1,dpo.py --online --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/dpo_online --overwrite_output_dir)
 demo-grpo: demo-sft
 	$(call demo_stage,grpo,1,grpo.py --seed $(SEED) --model $(RUNS)/sft --output_dir $(RUNS)/grpo --overwrite_output_dir)
+demo-ppo_gold: demo-sft
+	$(call demo_stage,ppo_gold,1,ppo.py --seed $(SEED) --model $(RUNS)/sft --reward_fn gold --output_dir $(RUNS)/ppo_gold --overwrite_output_dir)
 demo-eval: $(DEMO_STAGES)
-	$(call demo_stage,eval,$(SFT_THREADS),eval.py sft=$(RUNS)/sft ppo=$(RUNS)/ppo dpo=$(RUNS)/dpo dpo_online=$(RUNS)/dpo_online grpo=$(RUNS)/grpo grpo_rm=$(RUNS)/grpo_rm --output_dir $(RUNS)/eval)
+	$(call demo_stage,eval,$(SFT_THREADS),eval.py sft=$(RUNS)/sft ppo=$(RUNS)/ppo ppo_gold=$(RUNS)/ppo_gold dpo=$(RUNS)/dpo dpo_online=$(RUNS)/dpo_online grpo=$(RUNS)/grpo grpo_rm=$(RUNS)/grpo_rm --output_dir $(RUNS)/eval)
 	@cat $(RUNS)/eval/results.md
 
 # RLVR on the arithmetic world (world_arith.py): SFT from scratch on noisy worked solutions, then

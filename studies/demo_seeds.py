@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-METHODS = ["ppo", "dpo", "dpo_online", "grpo", "grpo_rm"]
+METHODS = ["ppo", "ppo_gold", "dpo", "dpo_online", "grpo", "grpo_rm"]
 
 
 def row(folder):
