@@ -11,6 +11,13 @@ posts outside the test split, and measures a reward model's accuracy on the mini
     python reward.py --model runs/sft --dataset runs/x29/prefs_conf25.jsonl --learning_rate 3e-4 \
         --lr_scheduler_type cosine --warmup_steps 10 --batch_size 32 --output_dir runs/x29/rm_conf
     python studies/reward_blindspot.py probe runs/x29/rm_conf --seed 0
+
+`--writer minimal` writes minimal pairs instead, the kind world.probe_pairs measures: a `share` of
+the pairs the reference TL;DR against it with one fact copied wrongly, half as many the reference
+against it with one fact left out, the rest the world's annotator pairs (CHANGELOG.md: a reward
+model from them sees copy errors 0.84-0.86 of the time, and PPO through it gains little):
+
+    python studies/reward_blindspot.py pairs --writer minimal --seed 0 --share 0.5 --num_pairs 8000 --out runs/x29/minimal.jsonl
 """
 
 import argparse
@@ -49,6 +56,35 @@ def pairs(seed, share, num_pairs):
     return rows
 
 
+def minimal_pairs(seed, share, num_pairs):
+    """Preference rows: a `share` reference vs. one copy error, share / 2 reference vs. one fact
+    left out (the chosen is the reference), the rest world.label_pair's annotator pairs."""
+    rng = random.Random(5000 + seed)
+    test_posts = set(world.build_world(seed)["test"]["post"])
+    rows = []
+    while len(rows) < num_pairs:
+        post, facts = world.make_post(rng)
+        if post in test_posts:
+            continue
+        u, ref = rng.random(), world.reference_summary(facts)
+        if u < share:
+            i = rng.randrange(len(facts))
+            bad = world.reference_summary(world.miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
+        elif u < 1.5 * share:
+            kept = list(facts)
+            kept.pop(rng.randrange(len(kept)))
+            bad = world.reference_summary(kept)
+        else:
+            a, b = (world.annotate(rng, post, facts, world.sample_annotator(rng)) for _ in range(2))
+            if a != b:
+                rows.append(world.label_pair(rng, post, a, b))
+            continue
+        if bad != ref:
+            rows.append({"prompt": world.PROMPT_TEMPLATE.format(post=post), "chosen": " " + ref, "rejected": " " + bad,
+                         "post": post, "chosen_gold": world.gold_score(post, ref), "rejected_gold": world.gold_score(post, bad)})
+    return rows
+
+
 def probe(folder, seed):
     """A reward model's accuracy on the world's minimal pairs (world.probe_pairs, test posts)."""
     import torch
@@ -72,6 +108,8 @@ def main():
     p = sub.add_parser("pairs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--share", type=float, default=0.25)
+    p.add_argument("--writer", choices=["confused", "minimal"], default="confused",
+                   help="confused: a share of confused writers; minimal: a share of minimal copy-error pairs (module docstring)")
     p.add_argument("--num_pairs", type=int, default=4000)
     p.add_argument("--out", required=True)
     q = sub.add_parser("probe")
@@ -79,7 +117,7 @@ def main():
     q.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "pairs":
-        rows = pairs(args.seed, args.share, args.num_pairs)
+        rows = (pairs if args.writer == "confused" else minimal_pairs)(args.seed, args.share, args.num_pairs)
         agree = [1.0 if r["chosen_gold"] > r["rejected_gold"] else 0.5 if r["chosen_gold"] == r["rejected_gold"] else 0.0
                  for r in rows]
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

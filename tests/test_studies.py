@@ -116,6 +116,34 @@ def test_reward_blindspot_pairs_miscopy_one_fact_and_skip_test_posts(monkeypatch
                                              and len(t.split(".")) - 1 == len(world.key_facts(world.post_from_prompt(r["prompt"])))
                                              for t in (r["chosen"], r["rejected"]))]
     assert len(confused_rows) > 50  # half the writers are confused
+    minimal = study.minimal_pairs(0, 0.5, 200)  # --writer minimal: the reference against one error
+    assert len(minimal) == 200 and not {r["post"] for r in minimal} & set(small["test"]["post"])
+    kinds = {"copy": 0, "omission": 0, "annotators": 0}
+    for r in minimal:
+        counts = world.gold_counts(r["post"], r["rejected"])
+        reference = " " + world.reference_summary(world.key_facts(r["post"]))
+        if r["chosen"] == reference and counts["missed"] == 1 and counts["unsupported"] == 1:
+            kinds["copy"] += 1  # every clause of the reference but one, which states a fact the post does not
+            assert len(r["rejected"].split()) == len(reference.split()), r
+        elif r["chosen"] == reference and counts["missed"] == 1 and counts["unsupported"] == 0:
+            kinds["omission"] += 1  # a lazy annotator against a careful one gives these too
+        else:
+            kinds["annotators"] += 1
+    assert kinds["copy"] > 70 and kinds["omission"] > 30 and kinds["annotators"] > 20, kinds
+
+
+def test_copy_errors_counts_clauses_by_place_and_where_a_wrong_one_took_its_words():
+    study = _study("copy_errors")
+    post = "alice bought the bike . i think bob lost the red phone . carol was happy ."
+    rows = [{"prompt": f"POST: {post}\nTL;DR:", "responses": {
+        "a": " alice bought bike . bob lost phone .",    # both right
+        "b": " alice bought bike . bob bought bike .",   # the second takes the first fact's action and object
+        "c": " alice lost bike .",                       # the next fact's action
+        "d": " alice bought bike . dave lost phone . the end ."}}]  # a person with no fact; no fact
+    assert study.copy_errors(rows, "a") == ({0: (1, 1), 1: (1, 1)}, {})
+    assert study.copy_errors(rows, "b") == ({0: (1, 1), 1: (0, 1)}, {"action from -1; object from -1": 1})
+    assert study.copy_errors(rows, "c") == ({0: (0, 1)}, {"action from +1": 1})
+    assert study.copy_errors(rows, "d")[1] == {"no fact of this person": 1, "no fact": 1}
 
 
 def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
