@@ -36,17 +36,23 @@ def confused(rng, facts):
     return world.reference_summary(world.miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
 
 
+def posts(rng, seed):
+    """World posts (post, facts) drawn from `rng`, none of them a test post of the world's `seed`."""
+    test_posts = set(world.build_world(seed)["test"]["post"])
+    while True:
+        post, facts = world.make_post(rng)
+        if post not in test_posts:
+            yield post, facts
+
+
 def pairs(seed, share, num_pairs):
     """Preference rows (world.label_pair's) with a `share` of confused writers."""
     rng = random.Random(1000 + seed)
     kinds = {k: v * (1 - share) for k, v in world.ANNOTATORS.items()}
     kinds["confused"] = share
-    test_posts = set(world.build_world(seed)["test"]["post"])
-    rows = []
+    rows, draw = [], posts(rng, seed)
     while len(rows) < num_pairs:
-        post, facts = world.make_post(rng)
-        if post in test_posts:
-            continue
+        post, facts = next(draw)
         written = []
         for _ in range(2):  # each writer drawn, then writes, in turn
             k = rng.choices(list(kinds), weights=list(kinds.values()))[0]
@@ -60,16 +66,12 @@ def minimal_pairs(seed, share, num_pairs):
     """Preference rows: a `share` reference vs. one copy error, share / 2 reference vs. one fact
     left out (the chosen is the reference), the rest world.label_pair's annotator pairs."""
     rng = random.Random(5000 + seed)
-    test_posts = set(world.build_world(seed)["test"]["post"])
-    rows = []
+    rows, draw = [], posts(rng, seed)
     while len(rows) < num_pairs:
-        post, facts = world.make_post(rng)
-        if post in test_posts:
-            continue
+        post, facts = next(draw)
         u, ref = rng.random(), world.reference_summary(facts)
         if u < share:
-            i = rng.randrange(len(facts))
-            bad = world.reference_summary(world.miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
+            bad = confused(rng, facts)
         elif u < 1.5 * share:
             kept = list(facts)
             kept.pop(rng.randrange(len(kept)))
