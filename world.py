@@ -14,9 +14,9 @@ Reddit TL;DR + human labellers in Stiennon et al. 2020:
   verbose), so an SFT policy that imitates them scores clearly below the references;
 - **preference pairs** label two summaries with a Bradley-Terry draw on the gold-score
   difference at temperature `PREF_TEMPERATURE`, so labels are noisy, the way human labels are:
-  half are two annotators' summaries, half a careful summary against the same with one fact
-  copied wrongly (`slip_pair`), the error a from-scratch policy makes and a reward model does
-  not learn to see from the annotators' pairs alone.
+  a quarter are two annotators' summaries, the rest a careful summary against the same with one
+  fact copied wrongly or left out (`contrast_pair`): the copy error is the one a from-scratch
+  policy makes, and a reward model does not learn to see it from the annotators' pairs alone.
 
 Everything is plain text, so any tokenizer and model can train on it; `build_tokenizer` and
 `build_model` (scratch.py) give the tiny Qwen2, one token per word, that the tests and `make demo` train from scratch.
@@ -213,8 +213,8 @@ def sample_annotator(rng):
 
 # ---------------------------------------------------------------- datasets
 PREF_TEMPERATURE = 0.1  # P(a preferred over b) = sigmoid((gold_a - gold_b) / T)
-# prefs: 4000 annotator pairs, then 4000 slip pairs (`slip_pair`) drawn after every other split
-SPLIT_SIZES = {"sft": 8000, "prefs": 4000, "slips": 4000, "rl": 2000, "test": 200}
+# prefs: 4000 annotator pairs, then 12000 contrast pairs (`contrast_pair`) drawn after every other split
+SPLIT_SIZES = {"sft": 8000, "prefs": 4000, "contrast": 12000, "rl": 2000, "test": 200}
 
 
 def label_pair(rng, post, a, b):
@@ -227,17 +227,28 @@ def label_pair(rng, post, a, b):
             "post": post, "chosen_gold": ga, "rejected_gold": gb}
 
 
-def slip_pair(rng, post, facts):
-    """A careful annotator's summary of `post` against the same summary with one slip: one fact's
-    object (or action) taken from another fact of the post (`miscopy`), the copy error a
-    from-scratch policy makes. Labelled like every pair (`label_pair`), so the careful one wins
-    but for label noise. Contrast pairs of this kind are how a factual-consistency judge learns
-    to see a swapped entity (Kryscinski et al. 2020, FactCC): the annotators' pairs never hold
-    one (an inventive annotator invents a whole fact), and a reward model trained on those alone
-    scores a copy error like the right fact (README, "Results on the embedded world")."""
+def slip(rng, facts):
+    """The reference TL;DR with one fact copied wrongly: its object (or action) taken from another
+    fact of the post (`miscopy`), the copy error a from-scratch policy makes."""
     i = rng.randrange(len(facts))
-    wrong = miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1)
-    return label_pair(rng, post, reference_summary(facts), reference_summary(wrong))
+    return reference_summary(miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
+
+
+def contrast_pair(rng, post, facts):
+    """A careful annotator's summary of `post` against the same summary with one slip: one fact
+    copied wrongly (`slip`, two pairs in three) or left out (one in three), labelled like every
+    pair (`label_pair`), so the careful one wins but for label noise. Contrast pairs of this kind
+    are how a factual-consistency judge learns to see a swapped entity (Kryscinski et al. 2020,
+    FactCC): the annotators' pairs never hold a copy error (an inventive annotator invents a whole
+    fact), and a reward model trained on those alone scores one like the right fact. The
+    omissions matter too: without them, or with the annotators' pairs at half the data instead of
+    a quarter, a reward model learns the copy errors far more slowly (CHANGELOG.md, 2026-12-05)."""
+    careful = reference_summary(facts)
+    if rng.random() < 1 / 3:
+        kept = list(facts)
+        kept.pop(rng.randrange(len(kept)))
+        return label_pair(rng, post, careful, reference_summary(kept))
+    return label_pair(rng, post, careful, slip(rng, facts))
 
 
 def build_world(seed=0, sizes=None):
@@ -246,7 +257,7 @@ def build_world(seed=0, sizes=None):
     - `sft`:   prompt + completion (annotator demonstrations), plus `post`, `annotator`;
     - `prefs`: prompt + chosen + rejected (noisy Bradley-Terry labels), plus `post`,
                `chosen_gold`, `rejected_gold`: `sizes["prefs"]` pairs of two annotators'
-               summaries and `sizes["slips"]` slip pairs (`slip_pair`), shuffled together;
+               summaries and `sizes["contrast"]` contrast pairs (`contrast_pair`), shuffled together;
     - `rl`:    prompt only, plus `post` (passed on to reward functions);
     - `test`:  prompt + `reference`, plus `post`; its posts appear in no other split.
     """
@@ -286,8 +297,8 @@ def build_world(seed=0, sizes=None):
     for _ in range(sizes["rl"]):
         post, _facts = fresh_post()
         rl.append({"prompt": prompt(post), "post": post})
-    for _ in range(sizes["slips"]):  # drawn last: they change no other split, nor the annotator pairs
-        prefs.append(slip_pair(rng, *fresh_post()))
+    for _ in range(sizes["contrast"]):  # drawn last: they change no other split, nor the annotator pairs
+        prefs.append(contrast_pair(rng, *fresh_post()))
     rng.shuffle(prefs)
     from datasets import Dataset  # a slow import: not for --help
 

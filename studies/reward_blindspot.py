@@ -1,8 +1,10 @@
 """Can the embedded world's reward model learn to see copy errors? (issue #29, CHANGELOG.md)
 
-The demo's reward model scores a reference and the same summary with one fact copied wrongly
-alike (reward.py's `probe_accuracy`: 0.45-0.55), so PPO and GRPO through it add facts and copy
-errors with them. This study writes preference pairs in which a fifth, "confused" writer copies
+Until commit a415b10 the world's preference pairs held no copy error, and the demo's reward model
+scored a reference and the same summary with one fact copied wrongly alike (reward.py's
+`probe_accuracy`: 0.45-0.55), so PPO and GRPO through it added facts and copy errors with them.
+The world now holds slip pairs (`world.slip_pair`) and reward.py trains 1200 steps on it; this
+study is how that was found (CHANGELOG.md, 2026-12-05). It writes preference pairs in which a fifth, "confused" writer copies
 one fact's object or action from another fact of the post (the slip the policies make), labelled
 like the world's pairs (Bradley-Terry on the gold difference at `world.PREF_TEMPERATURE`), on
 posts outside the test split, and measures a reward model's accuracy on the minimal pairs.
@@ -15,7 +17,7 @@ posts outside the test split, and measures a reward model's accuracy on the mini
 `--writer minimal` writes minimal pairs instead, the kind world.probe_pairs measures: a `share` of
 the pairs the reference TL;DR against it with one fact copied wrongly, half as many the reference
 against it with one fact left out, the rest the world's annotator pairs (CHANGELOG.md: a reward
-model from them sees copy errors 0.84-0.86 of the time, and PPO through it gains little):
+model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.96 after 1200):
 
     python studies/reward_blindspot.py pairs --writer minimal --seed 0 --share 0.5 --num_pairs 8000 --out runs/x29/minimal.jsonl
 """
@@ -28,12 +30,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import world  # noqa: E402
-
-
-def confused(rng, facts):
-    """The reference TL;DR with one fact's object (or action) taken from another fact of the post."""
-    i = rng.randrange(len(facts))
-    return world.reference_summary(world.miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
 
 
 def posts(rng, seed):
@@ -56,7 +52,7 @@ def pairs(seed, share, num_pairs):
         written = []
         for _ in range(2):  # each writer drawn, then writes, in turn
             k = rng.choices(list(kinds), weights=list(kinds.values()))[0]
-            written.append(confused(rng, facts) if k == "confused" else world.annotate(rng, post, facts, k))
+            written.append(world.slip(rng, facts) if k == "confused" else world.annotate(rng, post, facts, k))
         if written[0] != written[1]:
             rows.append(world.label_pair(rng, post, *written))
     return rows
@@ -71,7 +67,7 @@ def minimal_pairs(seed, share, num_pairs):
         post, facts = next(draw)
         u, ref = rng.random(), world.reference_summary(facts)
         if u < share:
-            bad = confused(rng, facts)
+            bad = world.slip(rng, facts)
         elif u < 1.5 * share:
             kept = list(facts)
             kept.pop(rng.randrange(len(kept)))
