@@ -19,8 +19,8 @@ install:
 # writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders. Two stages are tuned
 # to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
-# 2e-5, and GRPO with the reward model at beta 0.4 for 300 steps (at 0.04 it overoptimises the reward
-# model, which cannot see copy errors, within 150 steps).
+# 2e-5, and GRPO with the reward model at beta 0.4 for 300 steps (chosen when the world's pairs held no
+# copy errors: at 0.04 GRPO overoptimised that reward model, blind to them, within 150 steps).
 SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2

@@ -44,9 +44,9 @@ from common import TrainArgs
 
 # what the embedded world's tiny model needs instead of the pretrained defaults (common.apply_defaults)
 # learning_rate 3e-4: at 1e-3 seed 0's reward model reached test accuracy 0.728 (its pairs' label ceiling
-# 0.777), at 3e-4 0.772; seed 1: 0.812 and 0.817 (ceiling 0.819). max_steps 1200: a copy error (the
-# world's slip pairs) is learnt only after about 1000 steps; at 400 the model scores it like the right
-# fact (CHANGELOG.md).
+# 0.777), at 3e-4 0.772; seed 1: 0.812 and 0.817 (ceiling 0.819). max_steps 1200: a fact copied wrongly
+# (the world's contrast pairs) is learnt only after about 1000 steps; at 400 the model scores it nearly
+# like the right fact (CHANGELOG.md, 2026-12-05).
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 10, "batch_size": 32,
                      "max_steps": 1200}
 

@@ -20,6 +20,11 @@ against it with one fact left out, the rest the world's annotator pairs (CHANGEL
 model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.96 after 1200):
 
     python studies/reward_blindspot.py pairs --writer minimal --seed 0 --share 0.5 --num_pairs 8000 --out runs/x29/minimal.jsonl
+
+`kinds` gives a reward model's test accuracy on the world's pairs by kind (copy error, omission,
+two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"):
+
+    python studies/reward_blindspot.py kinds runs/reward --seed 0
 """
 
 import argparse
@@ -100,6 +105,45 @@ def probe(folder, seed):
     return out
 
 
+def pair_kind(row):
+    """Which kind of preference pair a world row is: "copy" (a careful summary against the same
+    with one fact copied wrongly), "omission" (... with one fact left out; a careful and a lazy
+    annotator give these too) or "annotators" (any other two summaries)."""
+    careful = " " + world.reference_summary(world.key_facts(row["post"]))
+    other = {row["chosen"], row["rejected"]} - {careful}
+    if len(other) != 1 or careful not in (row["chosen"], row["rejected"]):
+        return "annotators"
+    other = other.pop()
+    counts, extra = world.gold_counts(row["post"], other), len(careful.split()) - len(other.split())
+    if extra == 0 and counts["unsupported"] == 1 and counts["missed"] == 1:
+        return "copy"
+    return "omission" if extra == 4 and counts["unsupported"] == 0 and counts["missed"] == 1 else "annotators"
+
+
+def kinds(folder, seed, test_size=0.1):
+    """A reward model's test accuracy by kind of pair, against each kind's label-noise ceiling, on
+    the test split reward.py holds out of the embedded world's prefs (same seed, same --test_size)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import sampling
+    ds = world.build_world(seed)["prefs"]
+    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()  # reward.py's split
+    test = ds.select(perm[:max(1, int(len(ds) * test_size))])
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        chosen = sampling.reward_model_scores(model, tokenizer, test["prompt"], test["chosen"])
+        rejected = sampling.reward_model_scores(model, tokenizer, test["prompt"], test["rejected"])
+    out = {}
+    for row, c, r in zip(test, chosen.tolist(), rejected.tolist()):
+        n, right, ceiling = out.get(pair_kind(row), (0, 0.0, 0.0))
+        gold = row["chosen_gold"] - row["rejected_gold"]
+        out[pair_kind(row)] = (n + 1, right + (c > r), ceiling + (0.5 if gold == 0 else float(gold > 0)))
+    return {k: {"pairs": n, "accuracy": round(right / n, 3), "label_ceiling": round(ceiling / n, 3)}
+            for k, (n, right, ceiling) in sorted(out.items())}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -113,6 +157,9 @@ def main():
     q = sub.add_parser("probe")
     q.add_argument("model")
     q.add_argument("--seed", type=int, default=0)
+    k = sub.add_parser("kinds", help="test accuracy by kind of pair (copy, omission, annotators) against each kind's ceiling")
+    k.add_argument("model")
+    k.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "pairs":
         rows = (pairs if args.writer == "confused" else minimal_pairs)(args.seed, args.share, args.num_pairs)
@@ -123,6 +170,8 @@ def main():
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         print(f"{len(rows)} pairs to {args.out}; label-noise ceiling {sum(agree) / len(agree):.3f}")
+    elif args.cmd == "kinds":
+        print(json.dumps({"model": args.model, "test_accuracy_by_kind": kinds(args.model, args.seed)}))
     else:
         print(json.dumps({"model": args.model, "probe_accuracy": probe(args.model, args.seed)}))
 

@@ -313,7 +313,7 @@ def test_reward_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwe
 
     prefs = tmp_path / "prefs.jsonl"
     with open(prefs, "w") as f:
-        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "rl": 1, "test": 1})["prefs"]:
+        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "contrast": 0, "rl": 1, "test": 1})["prefs"]:
             f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
     argv = ["--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "4", "--eval_steps", "0",
             "--learning_rate", "3e-3", "--warmup_steps", "0", "--optim", "adamw"]

@@ -28,7 +28,7 @@ def _args(**kw):
 
 
 def _pairs(n=8):
-    prefs = world.build_world(0, sizes={"sft": 1, "prefs": n, "rl": 1, "test": 1})["prefs"]
+    prefs = world.build_world(0, sizes={"sft": 1, "prefs": n, "contrast": 0, "rl": 1, "test": 1})["prefs"]
     return prefs["prompt"], prefs["chosen"], prefs["rejected"]
 
 
@@ -226,7 +226,7 @@ def _online_args(**kw):
 def test_online_pairs_put_the_judges_winner_first_and_skip_ties():
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=1)
-    rl = world.build_world(0, sizes={"sft": 1, "prefs": 1, "rl": 8, "test": 1})["rl"]
+    rl = world.build_world(0, sizes={"sft": 1, "prefs": 1, "contrast": 0, "rl": 8, "test": 1})["rl"]
     calls = []
 
     def judge(prompts, completions, completion_ids, columns, step=0):  # ties on the first prompt, the word count elsewhere

@@ -183,7 +183,7 @@ def test_reward_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
 
     prefs = tmp_path / "prefs.jsonl"
     with open(prefs, "w") as f:
-        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "rl": 1, "test": 1})["prefs"]:
+        for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "contrast": 0, "rl": 1, "test": 1})["prefs"]:
             f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
     argv = ["reward.py", "--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "6", "--batch_size", "4",
             "--save_steps", "3", "--eval_steps", "0", "--learning_rate", "3e-3"]

@@ -170,7 +170,7 @@ def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
     assert got == {"early_stops": 1, "early_stops_names_above_eos": 1, "early_stop_p_eos": 0.4,
                    "early_stop_p_names": 0.5, "early_stop_p_top_name": 0.1}
 
-    world_rows = world.build_world(0, sizes={"sft": 20, "prefs": 2, "rl": 2, "test": 2})["sft"]
+    world_rows = world.build_world(0, sizes={"sft": 20, "prefs": 2, "contrast": 0, "rl": 2, "test": 2})["sft"]
     texts = [p + c for p, c in zip(world_rows["prompt"], world_rows["completion"])]
     model = study.freeze_zero_rows(scratch.build_model(tok, 32, 1, 0, texts=texts))
     weight = model.get_input_embeddings().weight
@@ -182,3 +182,16 @@ def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     assert torch.equal(weight[zero], before[zero]) and not torch.equal(weight[~zero], before[~zero])
+
+
+def test_reward_blindspot_pair_kind_finds_the_world_contrast_pairs():
+    import world
+    study = _study("reward_blindspot")
+    annotators = world.build_world(5, sizes={"sft": 10, "prefs": 300, "contrast": 0, "rl": 10, "test": 10})["prefs"]
+    mixed = world.build_world(5, sizes={"sft": 10, "prefs": 300, "contrast": 600, "rl": 10, "test": 10})["prefs"]
+    before = [study.pair_kind(r) for r in annotators]
+    assert before.count("copy") == 0 and before.count("annotators") > 200  # annotators never miscopy
+    after = [study.pair_kind(r) for r in mixed]
+    # two in three contrast pairs hold a copy error, one in three an omission (plus the annotators' few)
+    assert 350 <= after.count("copy") <= 450 and 170 <= after.count("omission") - before.count("omission") <= 250
+    assert after.count("annotators") == before.count("annotators")
