@@ -195,3 +195,23 @@ def test_reward_blindspot_pair_kind_finds_the_world_contrast_pairs():
     # two in three contrast pairs hold a copy error, one in three an omission (plus the annotators' few)
     assert 350 <= after.count("copy") <= 450 and 170 <= after.count("omission") - before.count("omission") <= 250
     assert after.count("annotators") == before.count("annotators")
+
+
+def test_demo_seeds_reads_a_demo_folder_into_one_row(tmp_path, capsys, monkeypatch):
+    study = _study("demo_seeds")
+    for sub in ("eval", "reward", "sft"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "sft" / "args.json").write_text(json.dumps({"seed": 4}))
+    (tmp_path / "reward" / "summary.json").write_text(json.dumps(
+        {"test_accuracy": 0.8, "test_label_ceiling": 0.9, "probe_accuracy": {"omission": 1.0, "wrong_object": 0.875, "wrong_action": 0.5}}))
+    pairs = [{"policy_a": m, "policy_b": "sft", "win_rate": 0.70 if m != "ppo" else 0.69, "ci_low": 0.6, "ci_high": 0.8}
+             for m in study.METHODS] + [{"policy_a": "sft", "policy_b": "reference", "win_rate": 0.25, "ci_low": 0, "ci_high": 1}]
+    policies = {m: {"score": 0.5} for m in ["sft", *study.METHODS]}
+    (tmp_path / "eval" / "results.json").write_text(json.dumps({"pairwise": pairs, "policies": policies}))
+    monkeypatch.setattr("sys.argv", ["demo_seeds.py", str(tmp_path)])
+    study.main()
+    header, rule, row = capsys.readouterr().out.splitlines()
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == len(header.strip("|").split("|")) == rule.count("---")
+    assert cells[:5] == ["4", "0.500", "0.800 (0.900)", "1.00 / 0.88 / 0.50", "0.75"]
+    assert cells[5] == "0.690 (0.60, 0.80), 0.500" and cells[6] == "**0.700 (0.60, 0.80), 0.500**"  # bold: the target holds
