@@ -299,7 +299,8 @@ def build_world(seed=0, sizes=None):
         rl.append({"prompt": prompt(post), "post": post})
     for _ in range(sizes["contrast"]):  # drawn last: they change no other split, nor the annotator pairs
         prefs.append(contrast_pair(rng, *fresh_post()))
-    rng.shuffle(prefs)
+    if sizes["contrast"]:  # without them the split is the annotator pairs, in the order they always had
+        rng.shuffle(prefs)
     from datasets import Dataset  # a slow import: not for --help
 
     return {name: Dataset.from_list(rows) for name, rows in
