@@ -234,6 +234,13 @@ def slip(rng, facts):
     return reference_summary(miscopy(rng, facts, i, 2 if rng.random() < 0.5 else 1))
 
 
+def omit(rng, facts):
+    """The reference TL;DR with one fact left out (what a lazy annotator does)."""
+    kept = list(facts)
+    kept.pop(rng.randrange(len(kept)))
+    return reference_summary(kept)
+
+
 def contrast_pair(rng, post, facts):
     """A careful annotator's summary of `post` against the same summary with one slip: one fact
     copied wrongly (`slip`, two pairs in three) or left out (one in three), labelled like every
@@ -244,11 +251,7 @@ def contrast_pair(rng, post, facts):
     omissions matter too: without them, or with the annotators' pairs at half the data instead of
     a quarter, a reward model learns the copy errors far more slowly (CHANGELOG.md, 2026-12-05)."""
     careful = reference_summary(facts)
-    if rng.random() < 1 / 3:
-        kept = list(facts)
-        kept.pop(rng.randrange(len(kept)))
-        return label_pair(rng, post, careful, reference_summary(kept))
-    return label_pair(rng, post, careful, slip(rng, facts))
+    return label_pair(rng, post, careful, omit(rng, facts) if rng.random() < 1 / 3 else slip(rng, facts))
 
 
 def build_world(seed=0, sizes=None):

@@ -1,10 +1,11 @@
 """Can the embedded world's reward model learn to see copy errors? (issue #29, CHANGELOG.md)
 
-Until commit a415b10 the world's preference pairs held no copy error, and the demo's reward model
+Until commit f83d277 the world's preference pairs held no copy error, and the demo's reward model
 scored a reference and the same summary with one fact copied wrongly alike (reward.py's
 `probe_accuracy`: 0.45-0.55), so PPO and GRPO through it added facts and copy errors with them.
-The world now holds slip pairs (`world.slip_pair`) and reward.py trains 1200 steps on it; this
-study is how that was found (CHANGELOG.md, 2026-12-05). It writes preference pairs in which a fifth, "confused" writer copies
+Since f83d277 the world holds contrast pairs (`world.contrast_pair`) and reward.py trains 1200
+steps on it; this study is how that was found (CHANGELOG.md, 2026-12-05). It writes preference
+pairs in which a fifth, "confused" writer copies
 one fact's object or action from another fact of the post (the slip the policies make), labelled
 like the world's pairs (Bradley-Terry on the gold difference at `world.PREF_TEMPERATURE`), on
 posts outside the test split, and measures a reward model's accuracy on the minimal pairs.
@@ -74,9 +75,7 @@ def minimal_pairs(seed, share, num_pairs):
         if u < share:
             bad = world.slip(rng, facts)
         elif u < 1.5 * share:
-            kept = list(facts)
-            kept.pop(rng.randrange(len(kept)))
-            bad = world.reference_summary(kept)
+            bad = world.omit(rng, facts)
         else:
             a, b = (world.annotate(rng, post, facts, world.sample_annotator(rng)) for _ in range(2))
             if a != b:
@@ -137,9 +136,9 @@ def kinds(folder, seed, test_size=0.1):
         rejected = sampling.reward_model_scores(model, tokenizer, test["prompt"], test["rejected"])
     out = {}
     for row, c, r in zip(test, chosen.tolist(), rejected.tolist()):
-        n, right, ceiling = out.get(pair_kind(row), (0, 0.0, 0.0))
-        gold = row["chosen_gold"] - row["rejected_gold"]
-        out[pair_kind(row)] = (n + 1, right + (c > r), ceiling + (0.5 if gold == 0 else float(gold > 0)))
+        kind, gold = pair_kind(row), row["chosen_gold"] - row["rejected_gold"]
+        n, right, ceiling = out.get(kind, (0, 0.0, 0.0))
+        out[kind] = (n + 1, right + (c > r), ceiling + (0.5 if gold == 0 else float(gold > 0)))
     return {k: {"pairs": n, "accuracy": round(right / n, 3), "label_ceiling": round(ceiling / n, 3)}
             for k, (n, right, ceiling) in sorted(out.items())}
 
