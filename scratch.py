@@ -86,14 +86,8 @@ def fit_tokenizer(texts, level):
     return char_tokenizer(texts) if level == "char" else word_tokenizer(texts)
 
 
-def build_model(tokenizer, hidden_size=160, num_layers=3, seed=0, texts=None):
+def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     """A tiny Qwen2ForCausalLM from a Qwen2Config: the same code path as Qwen/Qwen2.5-1.5B.
-
-    Three layers, not two: a reward model read at the last token must find the post's fact that
-    a summary's clause copies, compare the two, and carry the verdict to the last token, one
-    step more than two layers hold. From two layers (hidden 192) to three (hidden 160, about
-    the same compute), seeds 1 and 2's reward models went from 0.784 and 0.812 test accuracy to
-    0.877 and 0.908 in the same 1200 steps (CHANGELOG.md, 2026-12-05, fourth session).
 
     `texts` (the training text, optional): the embedding rows of the (non-special) tokens that it
     never contains start at zero instead of random. A byte-level vocabulary holds many such tokens
