@@ -60,8 +60,9 @@ Departures and choices:
 - the embedded world's test split is always the world of seed 0 (as in common.gold_eval), so
   --seed changes the sampling and the bootstrap, never the prompts;
 - generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
-  and weight files' size and modification time), the rendered prompts and the generation
-  settings, so a re-run with another judge does not generate again.
+  and a SHA-256 of its weight files' content), the rendered prompts and the generation settings,
+  so a re-run with another judge does not generate again (policies.py: the methods, their runs'
+  names, and the cache).
 
 Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
@@ -73,12 +74,8 @@ Run:
 """
 
 import dataclasses
-import functools
-import glob
-import hashlib
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 
@@ -88,14 +85,14 @@ import torch
 import checkpoints
 import common
 import data
-import lora
+import policies
 import reports
 import sampling
 import vllm_rollouts
 import world
 from common import ModelArgs, VllmArgs
+from policies import REFERENCE
 
-REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
 CI_LEVEL = 0.95
 BT_PRIOR_GAMES = 1.0  # virtual drawn games per pair of policies (see the module docstring)
 JUDGE_TEMPLATE = (
@@ -388,150 +385,7 @@ def llm_judge(model, tokenizer, prompts, responses_a, responses_b, batch_size=16
     return (a_first + (1 - b_first)) / 2
 
 
-# ============================================================================ policies and judges
-def policy_names(paths):
-    """Each policy's name: its folder's basename, with as many parent folders as make it unique
-    (runs/a/checkpoint-100 vs runs/b/checkpoint-100), then numbered if still equal (the same path twice)."""
-    parts = [os.path.normpath(p).split(os.sep) for p in paths]
-    names = []
-    for i, p in enumerate(parts):
-        depth = 1
-        while depth < len(p) and any(q != p and q[-depth:] == p[-depth:] for q in parts):
-            depth += 1
-        names.append("/".join(p[-depth:]))
-    taken, out = {REFERENCE}, []
-    for name in names:
-        unique, n = name, 1
-        while unique in taken:
-            n += 1
-            unique = f"{name}-{n}"
-        taken.add(unique)
-        out.append(unique)
-    return out
-
-
-def parse_methods(specs):
-    """The command line's policies as methods [(name, [run paths])].
-
-    NAME=PATTERN[,PATTERN...] is a method whose runs are the folders matching the glob patterns
-    (sorted; a pattern without wildcards is one folder or Hub id); a bare folder or Hub id is a
-    method of one run, named as policy_names names it."""
-    bare = iter(policy_names([s for s in specs if "=" not in s]))
-    methods = []
-    for spec in specs:
-        if "=" not in spec:
-            methods.append((next(bare), [spec]))
-            continue
-        name, _, patterns = spec.partition("=")
-        if not name or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
-            common.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
-        paths = []
-        for pattern in patterns.split(","):
-            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-            # a pattern's runs are model folders (config.json, or a LoRA run's adapter_config.json), not the
-            # log files or other folders beside them
-            found = [m for m in matches if not glob.has_magic(pattern) or is_model_folder(m)]
-            if not found:
-                common.fail(f"{spec!r}: {pattern!r} matches no model folder (a folder with config.json)"
-                            + (f"; it matches only {', '.join(matches[:3])}{' ...' if len(matches) > 3 else ''}" if matches
-                               else "") + "; check the path (and quote the argument, so the shell leaves the pattern "
-                            "to eval.py).")
-            if len(found) < len(matches):
-                skipped = [m for m in matches if m not in found]
-                print(f"eval: note: {pattern!r} also matches {len(skipped)} path(s) that are not model folders, left out "
-                      f"(e.g. {skipped[0]}).")
-            paths += found
-        methods.append((name, paths))
-    names = [name for name, _ in methods]
-    for name in names:
-        if names.count(name) > 1 or name == REFERENCE:
-            common.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
-                        "rename one with NAME=PATH.")
-    return methods
-
-
-def is_model_folder(path):
-    """A folder a policy loads from: config.json (a full or merged model) or adapter_config.json."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json"))
-
-
-def run_names(methods):
-    """A unique name for every run: the method's name for a method of one run, else
-    method/<folder>, e.g. grpo/seed0."""
-    return [[name] if len(paths) == 1 else [f"{name}/{p}" for p in policy_names(paths)] for name, paths in methods]
-
-
-@functools.lru_cache(maxsize=None)
-def weights_fingerprint(path):
-    """What identifies a policy's weights: a SHA-256 of the content of the folder's model files
-    (weights swapped in place with the same size and mtime still change it), computed once per
-    policy and run; for a Hub id, the commit of its cached snapshot. An adapter folder's includes
-    its base's (lora.adapter_base, recursively): the adapters alone do not make the policy."""
-    if os.path.isdir(path):
-        digest = hashlib.sha256()
-        if os.path.isfile(os.path.join(path, "adapter_config.json")):
-            digest.update(weights_fingerprint(lora.adapter_base(path)).encode())
-        for f in sorted(os.listdir(path)):
-            if f.endswith((".safetensors", ".json", ".jinja", ".model")) and os.path.isfile(os.path.join(path, f)):
-                digest.update(f.encode() + b"\0")
-                with open(os.path.join(path, f), "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 24), b""):
-                        digest.update(block)
-        return digest.hexdigest()
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(path, "config.json")
-    return os.path.basename(os.path.dirname(found)) if isinstance(found, str) else "not cached"
-
-
-def generation_settings(args):
-    """Everything besides the policy and the prompts that can change a generation."""
-    return {"max_completion_length": args.max_completion_length, "do_sample": args.do_sample,
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-            "eval_batch_size": args.eval_batch_size, "dtype": args.dtype, "attn_implementation": args.attn_implementation,
-            **({"use_vllm": True, "vllm_dtype": args.vllm_dtype} if args.use_vllm else {})}  # vLLM draws other samples
-
-
-def cache_file(path, prompts, args):
-    key = json.dumps([os.path.abspath(path) if os.path.isdir(path) else path, weights_fingerprint(path),
-                      prompts, generation_settings(args)])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    readable = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.normpath(path)))
-    return os.path.join(args.cache_dir, f"{readable}-{digest}.json")
-
-
-def generate_responses(path, name, raw_prompts, args):
-    """The policy's responses to every prompt (from the cache when this exact run was done)."""
-    tokenizer = common.load_tokenizer(path, args.trust_remote_code)
-    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
-    data.check_readable(tokenizer, prompts, path, args.dataset)
-    cached = cache_file(path, prompts, args)
-    if os.path.exists(cached):
-        with open(cached) as f:
-            out = json.load(f)
-        if "completion_ids" in out:  # a cache from before completion_ids were kept is generated again
-            print(f"eval: {name}: {len(prompts)} responses from the cache {cached}")
-            return out["responses"], out["truncated"], out["completion_ids"]
-    model = common.freeze(common.load_model(path, args))
-    common.set_seed(args.seed)  # every policy samples from the same seed
-    settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    if args.use_vllm:  # an engine for this policy (vllm_rollouts.py); every prompt its own request, seeded by --seed
-        longest = data.encode_prompts(tokenizer, prompts)[0].shape[1]
-        llm = vllm_rollouts.start_engine(model, tokenizer, args, longest + args.max_completion_length)
-        responses, truncated, completion_ids = vllm_rollouts.sample_texts(llm, model, tokenizer, prompts,
-                                                                          args.max_completion_length, args.seed, **settings)
-        vllm_rollouts.shutdown(llm)
-    else:
-        responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                                                     args.eval_batch_size, **settings)
-    del model
-    cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
-    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
-                               "truncated": truncated, "completion_ids": completion_ids})
-    print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
-    return responses, truncated, completion_ids
-
-
+# ============================================================================ pass@k and the judges
 def pass_ks(args):
     """--pass_k as a list of ints, each in 1..--num_samples (default 1, 2, 4, ... up to it)."""
     if not args.pass_k:
@@ -601,7 +455,7 @@ def main():
     if args.use_vllm:  # the policies' responses (greedy, or --do_sample, --num_samples) from a vLLM engine
         vllm_rollouts.check_args(args)
     kind, judge_arg = parse_judge(args.judge)
-    methods = parse_methods(args.policies)
+    methods = policies.parse_methods(args.policies)
     ks = pass_ks(args) if args.num_samples else []
     if args.num_samples and kind != "gold":
         common.fail("--num_samples (pass@k) needs a verifier as the judge: --judge gold --reward_fn arith_strict (or file.py:fn returning 0 or 1).")
@@ -652,11 +506,11 @@ def main():
 
     # ---- generate: the same prompts, settings and seed for every run of every method
     names = [name for name, _ in methods]
-    runs = dict(zip(names, run_names(methods)))  # method -> its runs' names
+    runs = dict(zip(names, policies.run_names(methods)))  # method -> its runs' names
     responses, truncated, completion_ids = {}, {}, {}
     for (name, paths) in methods:
         for path, run in zip(paths, runs[name]):
-            responses[run], truncated[run], completion_ids[run] = generate_responses(path, run, raw_prompts, args)
+            responses[run], truncated[run], completion_ids[run] = policies.generate_responses(path, run, raw_prompts, args)
     if has_reference:
         # the reference's text as the dataset writes it, as a policy's response is its decoded text;
         # its completion_ids for reward functions: that text in the first policy's tokenizer
@@ -709,7 +563,7 @@ def main():
         sample_columns = {c: [v[i] for i in repeat] for c, v in columns.items()}
         for name, paths in methods:
             for path, run in zip(paths, runs[name]):
-                texts, _, ids = generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
+                texts, _, ids = policies.generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
                 # scored as the greedy responses are: TRL's form (an assistant message after a conversation)
                 sample_scores = judge_scores(kind, None, {run: texts}, sample_prompts, sample_columns, args, {run: ids},
                                              args.num_samples)[run]
@@ -766,7 +620,7 @@ def main():
         "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
                      "reward_fn": args.reward_fn, "reward_weights": args.reward_weights, "dataset": data.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
-                     **generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
+                     **policies.generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
         "elo": {name: {"elo": float(elo[i]), "ci_low": float(elo_lo[i]), "ci_high": float(elo_hi[i]),
                        "seed_ci_low": float(elo_seed_lo[i]), "seed_ci_high": float(elo_seed_hi[i]),

@@ -38,6 +38,7 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
+import policies  # noqa: E402
 import sampling  # noqa: E402
 import tools  # noqa: E402
 import world_arith  # noqa: E402
@@ -98,7 +99,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    methods = evaluation.parse_methods(args.policies)
+    methods = policies.parse_methods(args.policies)
     ds = common.arith_split(common.ARITH_TOOLS, "test")  # seed 0, as eval.py
     if args.num_prompts:
         ds = ds.select(range(min(args.num_prompts, len(ds))))

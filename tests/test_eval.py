@@ -13,6 +13,7 @@ import torch
 from conftest import run_main
 
 import eval as ev
+import policies
 import scratch
 import world
 
@@ -152,18 +153,18 @@ def test_methods_from_the_command_line(tmp_path, monkeypatch):
     (tmp_path / "a" / "seed1.log").write_text("a training log")  # a glob's files and other folders are not runs
     (tmp_path / "a" / "seed2").mkdir()
     monkeypatch.chdir(tmp_path)
-    methods = ev.parse_methods(["sft", "a=a/seed*", "mine=b/seed0,sft"])
+    methods = policies.parse_methods(["sft", "a=a/seed*", "mine=b/seed0,sft"])
     assert methods == [("sft", ["sft"]), ("a", ["a/seed0", "a/seed1", "a/seed10"]), ("mine", ["b/seed0", "sft"])]
-    assert ev.run_names(methods) == [["sft"], ["a/seed0", "a/seed1", "a/seed10"], ["mine/seed0", "mine/sft"]]
-    assert ev.parse_methods(["runs/x/sft", "runs/y/sft"]) == [("x/sft", ["runs/x/sft"]), ("y/sft", ["runs/y/sft"])]
+    assert policies.run_names(methods) == [["sft"], ["a/seed0", "a/seed1", "a/seed10"], ["mine/seed0", "mine/sft"]]
+    assert policies.parse_methods(["runs/x/sft", "runs/y/sft"]) == [("x/sft", ["runs/x/sft"]), ("y/sft", ["runs/y/sft"])]
     with pytest.raises(SystemExit, match="matches no model folder"):
-        ev.parse_methods(["a=c/seed*"])
+        policies.parse_methods(["a=c/seed*"])
     with pytest.raises(SystemExit, match=r"matches no model folder \(a folder with config.json\); it matches only a/seed1.log"):
-        ev.parse_methods(["a=a/*.log"])
+        policies.parse_methods(["a=a/*.log"])
     with pytest.raises(SystemExit, match="two methods are named"):
-        ev.parse_methods(["a=a/seed0", "a=b/seed0"])
+        policies.parse_methods(["a=a/seed0", "a=b/seed0"])
     with pytest.raises(SystemExit, match="name"):
-        ev.parse_methods(["=a/seed0"])
+        policies.parse_methods(["=a/seed0"])
 
 
 def simulate_games(true_elo, games_per_pair, rng, p_tie=0.1):
@@ -200,10 +201,10 @@ def test_bradley_terry_recovers_known_strengths():
 
 
 def test_policy_names_are_unique():
-    assert ev.policy_names(["runs/sft", "runs/dpo"]) == ["sft", "dpo"]
-    assert ev.policy_names(["runs/a/checkpoint-10", "runs/b/checkpoint-10/", "org/model"]) == \
+    assert policies.policy_names(["runs/sft", "runs/dpo"]) == ["sft", "dpo"]
+    assert policies.policy_names(["runs/a/checkpoint-10", "runs/b/checkpoint-10/", "org/model"]) == \
         ["a/checkpoint-10", "b/checkpoint-10", "model"]
-    assert ev.policy_names(["runs/sft", "runs/sft", "x/reference"]) == ["sft", "sft-2", "reference-2"]
+    assert policies.policy_names(["runs/sft", "runs/sft", "x/reference"]) == ["sft", "sft-2", "reference-2"]
 
 
 def test_bad_judge_fails_loudly():
@@ -432,11 +433,11 @@ def test_cache_key_follows_the_weights_content(tmp_path):
     weights = folder / "model.safetensors"
     weights.write_bytes(b"a" * 64)
     stat = os.stat(weights)
-    before = ev.weights_fingerprint(str(folder))
+    before = policies.weights_fingerprint(str(folder))
     weights.write_bytes(b"b" * 64)
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime
-    ev.weights_fingerprint.cache_clear()  # computed once per policy and run: a new run computes it again
-    assert ev.weights_fingerprint(str(folder)) != before
+    policies.weights_fingerprint.cache_clear()  # computed once per policy and run: a new run computes it again
+    assert policies.weights_fingerprint(str(folder)) != before
 
 
 def test_group_stats_per_level_with_both_cis():

@@ -18,7 +18,7 @@ import checkpoints
 import common
 import data
 import dpo
-import eval as ev
+import policies
 import sft
 
 
@@ -138,12 +138,12 @@ def test_eval_cache_follows_an_adapters_base(tmp_path, tiny_qwen):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
     (adapter / "adapter_model.safetensors").write_bytes(b"a")
-    ev.weights_fingerprint.cache_clear()
-    before = ev.weights_fingerprint(str(adapter))
+    policies.weights_fingerprint.cache_clear()
+    before = policies.weights_fingerprint(str(adapter))
     weights = base / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b" ")  # the base's weights replaced in place
-    ev.weights_fingerprint.cache_clear()
-    assert ev.weights_fingerprint(str(adapter)) != before
+    policies.weights_fingerprint.cache_clear()
+    assert policies.weights_fingerprint(str(adapter)) != before
 
 
 def test_a_reward_model_is_not_a_policy(tmp_path, tiny_qwen):

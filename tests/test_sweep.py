@@ -7,7 +7,7 @@ import shlex
 import pytest
 from conftest import run_script
 
-import eval as ev
+import policies
 
 FAKE_SCRIPT = """import json, os, sys
 args = sys.argv[1:]
@@ -48,7 +48,7 @@ def test_zip_runs_every_seed_of_every_setting_and_resumes(fake, tmp_path):
     # the printed eval.py command names one method per setting, whose runs are its seeds
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("python eval.py ")
-    methods = ev.parse_methods(shlex.split(line)[2:])
+    methods = policies.parse_methods(shlex.split(line)[2:])
     assert [(name, len(paths)) for name, paths in methods] == [("num_generations4-batch_size16", 2),
                                                               ("num_generations16-batch_size4", 2)]
 

@@ -1,0 +1,166 @@
+"""policies.py: the policies eval.py compares, and their responses.
+
+Read by whoever changes which folders eval.py evaluates or when it generates again: the command
+line's methods and runs (NAME=PATTERN globs of run folders, names made unique), and each policy's
+responses, generated once and cached under a key of its weights' content, the prompts and every
+generation setting. The statistics and the judges stay in eval.py.
+"""
+
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+
+import checkpoints
+import common
+import data
+import lora
+import sampling
+import vllm_rollouts
+
+REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
+
+
+def policy_names(paths):
+    """Each policy's name: its folder's basename, with as many parent folders as make it unique
+    (runs/a/checkpoint-100 vs runs/b/checkpoint-100), then numbered if still equal (the same path twice)."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    names = []
+    for i, p in enumerate(parts):
+        depth = 1
+        while depth < len(p) and any(q != p and q[-depth:] == p[-depth:] for q in parts):
+            depth += 1
+        names.append("/".join(p[-depth:]))
+    taken, out = {REFERENCE}, []
+    for name in names:
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}-{n}"
+        taken.add(unique)
+        out.append(unique)
+    return out
+
+
+def parse_methods(specs):
+    """The command line's policies as methods [(name, [run paths])].
+
+    NAME=PATTERN[,PATTERN...] is a method whose runs are the folders matching the glob patterns
+    (sorted; a pattern without wildcards is one folder or Hub id); a bare folder or Hub id is a
+    method of one run, named as policy_names names it."""
+    bare = iter(policy_names([s for s in specs if "=" not in s]))
+    methods = []
+    for spec in specs:
+        if "=" not in spec:
+            methods.append((next(bare), [spec]))
+            continue
+        name, _, patterns = spec.partition("=")
+        if not name or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
+            common.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
+        paths = []
+        for pattern in patterns.split(","):
+            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            # a pattern's runs are model folders (config.json, or a LoRA run's adapter_config.json), not the
+            # log files or other folders beside them
+            found = [m for m in matches if not glob.has_magic(pattern) or is_model_folder(m)]
+            if not found:
+                common.fail(f"{spec!r}: {pattern!r} matches no model folder (a folder with config.json)"
+                            + (f"; it matches only {', '.join(matches[:3])}{' ...' if len(matches) > 3 else ''}" if matches
+                               else "") + "; check the path (and quote the argument, so the shell leaves the pattern "
+                            "to eval.py).")
+            if len(found) < len(matches):
+                skipped = [m for m in matches if m not in found]
+                print(f"eval: note: {pattern!r} also matches {len(skipped)} path(s) that are not model folders, left out "
+                      f"(e.g. {skipped[0]}).")
+            paths += found
+        methods.append((name, paths))
+    names = [name for name, _ in methods]
+    for name in names:
+        if names.count(name) > 1 or name == REFERENCE:
+            common.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
+                        "rename one with NAME=PATH.")
+    return methods
+
+
+def is_model_folder(path):
+    """A folder a policy loads from: config.json (a full or merged model) or adapter_config.json."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json"))
+
+
+def run_names(methods):
+    """A unique name for every run: the method's name for a method of one run, else
+    method/<folder>, e.g. grpo/seed0."""
+    return [[name] if len(paths) == 1 else [f"{name}/{p}" for p in policy_names(paths)] for name, paths in methods]
+
+
+@functools.lru_cache(maxsize=None)
+def weights_fingerprint(path):
+    """What identifies a policy's weights: a SHA-256 of the content of the folder's model files
+    (weights swapped in place with the same size and mtime still change it), computed once per
+    policy and run; for a Hub id, the commit of its cached snapshot. An adapter folder's includes
+    its base's (lora.adapter_base, recursively): the adapters alone do not make the policy."""
+    if os.path.isdir(path):
+        digest = hashlib.sha256()
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            digest.update(weights_fingerprint(lora.adapter_base(path)).encode())
+        for f in sorted(os.listdir(path)):
+            if f.endswith((".safetensors", ".json", ".jinja", ".model")) and os.path.isfile(os.path.join(path, f)):
+                digest.update(f.encode() + b"\0")
+                with open(os.path.join(path, f), "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        digest.update(block)
+        return digest.hexdigest()
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(path, "config.json")
+    return os.path.basename(os.path.dirname(found)) if isinstance(found, str) else "not cached"
+
+
+def generation_settings(args):
+    """Everything besides the policy and the prompts that can change a generation."""
+    return {"max_completion_length": args.max_completion_length, "do_sample": args.do_sample,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "eval_batch_size": args.eval_batch_size, "dtype": args.dtype, "attn_implementation": args.attn_implementation,
+            **({"use_vllm": True, "vllm_dtype": args.vllm_dtype} if args.use_vllm else {})}  # vLLM draws other samples
+
+
+def cache_file(path, prompts, args):
+    key = json.dumps([os.path.abspath(path) if os.path.isdir(path) else path, weights_fingerprint(path),
+                      prompts, generation_settings(args)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.normpath(path)))
+    return os.path.join(args.cache_dir, f"{readable}-{digest}.json")
+
+
+def generate_responses(path, name, raw_prompts, args):
+    """The policy's responses to every prompt (from the cache when this exact run was done)."""
+    tokenizer = common.load_tokenizer(path, args.trust_remote_code)
+    prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
+    data.check_readable(tokenizer, prompts, path, args.dataset)
+    cached = cache_file(path, prompts, args)
+    if os.path.exists(cached):
+        with open(cached) as f:
+            out = json.load(f)
+        if "completion_ids" in out:  # a cache from before completion_ids were kept is generated again
+            print(f"eval: {name}: {len(prompts)} responses from the cache {cached}")
+            return out["responses"], out["truncated"], out["completion_ids"]
+    model = common.freeze(common.load_model(path, args))
+    common.set_seed(args.seed)  # every policy samples from the same seed
+    settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.use_vllm:  # an engine for this policy (vllm_rollouts.py); every prompt its own request, seeded by --seed
+        longest = data.encode_prompts(tokenizer, prompts)[0].shape[1]
+        llm = vllm_rollouts.start_engine(model, tokenizer, args, longest + args.max_completion_length)
+        responses, truncated, completion_ids = vllm_rollouts.sample_texts(llm, model, tokenizer, prompts,
+                                                                          args.max_completion_length, args.seed, **settings)
+        vllm_rollouts.shutdown(llm)
+    else:
+        responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
+                                                                     args.eval_batch_size, **settings)
+    del model
+    cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
+    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
+                               "truncated": truncated, "completion_ids": completion_ids})
+    print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
+    return responses, truncated, completion_ids
