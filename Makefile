@@ -16,7 +16,7 @@ install:
 # their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO and PPO with the gold judge
 # as its reward from SFT alone: that run is the same PPO as the one through the reward model, so the gap
 # between the two is the reward model's); each
-# writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines when it ends. The scripts
+# writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines and its wall time when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders. Two stages are tuned
 # to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
 # 2e-5, and GRPO with the reward model at beta 0.4 for 300 steps (chosen when the world's pairs held no
@@ -35,8 +35,9 @@ demo: install
 define demo_stage
 	@mkdir -p $(RUNS)/logs
 	@echo "demo: $(3)   [log: $(RUNS)/logs/$(1).log]"
-	@if OMP_NUM_THREADS=$(2) TQDM_MININTERVAL=30 $(PYTHON) $(3) > $(RUNS)/logs/$(1).log 2>&1; then \
+	@start=$$(date +%s); if OMP_NUM_THREADS=$(2) TQDM_MININTERVAL=30 $(PYTHON) $(3) > $(RUNS)/logs/$(1).log 2>&1; then \
 	  grep -E "^[a-z_]+: " $(RUNS)/logs/$(1).log | grep -v "it/s\|s/it" | tail -n 3 | sed "s/^/  /"; \
+	  echo "  ($(1): $$(( $$(date +%s) - start )) s)"; \
 	else tail -n 20 $(RUNS)/logs/$(1).log; echo "demo: $(1) failed: its whole output is in $(RUNS)/logs/$(1).log"; exit 1; fi
 endef
 demo-sft:
