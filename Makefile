@@ -15,12 +15,14 @@ install:
 # seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
 # their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO and PPO with the gold judge
 # as its reward from SFT alone: that run is the same PPO as the one through the reward model, so the gap
-# between the two is the reward model's); each
+# between the two is the reward model's, but for its KL coefficient, below); each
 # writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines and its wall time when it ends. The scripts
-# refuse an --output_dir that holds another run; the demo replaces its own folders. Two stages are tuned
+# refuse an --output_dir that holds another run; the demo replaces its own folders. Three stages are tuned
 # to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
-# 2e-5, and GRPO with the reward model at beta 0.4 for 300 steps (chosen when the world's pairs held no
-# copy errors: at 0.04 GRPO overoptimised that reward model, blind to them, within 150 steps).
+# 2e-5, GRPO with the reward model at beta 0.4 for 300 steps (chosen when the world's pairs held no
+# copy errors: at 0.04 GRPO overoptimised that reward model, blind to them, within 150 steps), and
+# PPO with the reward model at kl_coef 0.6 (ppo.py's 0.1 overoptimised seed 2's reward model, blind to
+# wrong actions; the gold judge's PPO keeps 0.1, where 0.6 held it near SFT: CHANGELOG.md).
 SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2
@@ -47,7 +49,7 @@ demo-reward: demo-sft
 demo-dpo: demo-sft
 	$(call demo_stage,dpo,1,dpo.py --seed $(SEED) --model $(RUNS)/sft --learning_rate 2e-5 --output_dir $(RUNS)/dpo --overwrite_output_dir)
 demo-ppo: demo-reward
-	$(call demo_stage,ppo,1,ppo.py --seed $(SEED) --model $(RUNS)/sft --reward_model $(RUNS)/reward --output_dir $(RUNS)/ppo --overwrite_output_dir)
+	$(call demo_stage,ppo,1,ppo.py --seed $(SEED) --model $(RUNS)/sft --reward_model $(RUNS)/reward --kl_coef 0.6 --output_dir $(RUNS)/ppo --overwrite_output_dir)
 demo-grpo_rm: demo-reward
 	$(call demo_stage,grpo_rm,1,grpo.py --seed $(SEED) --model $(RUNS)/sft --reward_model $(RUNS)/reward --beta 0.4 --max_steps 300 --output_dir $(RUNS)/grpo_rm --overwrite_output_dir)
 demo-dpo_online: demo-sft
