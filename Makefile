@@ -14,8 +14,8 @@ install:
 # (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another
 # seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
 # their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO and PPO with the gold judge
-# as its reward from SFT alone: that run is the same PPO as the one through the reward model, so the gap
-# between the two is the reward model's, but for its KL coefficient, below); each
+# as its reward from SFT alone: the same ppo.py as the run through the reward model, which differs in its
+# reward and its KL coefficient, below); each
 # writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines and its wall time when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders. Three stages are tuned
 # to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
