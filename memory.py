@@ -224,7 +224,7 @@ def vllm_engine_plan(args, config, numels, buffers, sequences, prompt_length, co
 
 def estimate_memory(args, *, train_sequences, prompt_length, completion_length, head="lm", reference=None,
                     critic_from=None, reward_models=None, reward_note="", generation_sequences=0,
-                    generation_length=None, offload=False):
+                    generation_length=None, offload=False, extra_layers=0):
     """The memory plan of a script that holds these things: a list of (component, bytes, note).
 
     What the script holds, from its own Args:
@@ -238,6 +238,7 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
                             training forward (a micro-batch);
       generation_sequences  sequences sampled at once, `generation_length` new tokens each;
       offload               frozen models wait on the CPU (--offload_frozen).
+      extra_layers          decoder layers added on top of the model's (reward.py --expand_layers).
     With --use_vllm the engine samples instead (vllm_engine_plan): its row replaces the rollout.
 
     Static rows (weights, gradients, optimizer states, frozen models) are exact counts from the
@@ -248,6 +249,11 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     dtype = common.torch_dtype(args.dtype)
     nb = dtype.itemsize
     config = model_config(args)
+    if extra_layers:  # the trained model is deeper than the one it loads
+        config = copy.deepcopy(config)
+        config.num_hidden_layers += extra_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * extra_layers
     numels, buffers = parameter_numels(config, head)
     weights = (sum(numels) + buffers) * nb
     P, C, gen_len = prompt_length, completion_length, generation_length or completion_length

@@ -16,8 +16,11 @@ Departures from the paper and from TRL's RewardTrainer:
   summary.json also gives the label-noise ceiling (how often the gold judge itself agrees with
   the noisy labels), which no reward model can beat on average, and the test accuracy against
   the gold judge's own preference (`test_gold_accuracy`), which it can.
-- One pass of chosen + rejected through the model per step (a batch of 2B sequences that share
-  their prompts), not two.
+- Chosen and rejected share their prompt's pass: each prompt goes through the model once and both
+  responses read its key/value cache (TRL runs 2B whole sequences); the scores are the same.
+- `--expand_layers N` (embedded world: 1) adds N decoder layers on top of the policy's trunk,
+  initialised so that the model starts as the trunk (block expansion, `expand_layers`); the
+  papers initialise the reward model from the SFT policy as it is.
 
 Run:
     python reward.py                                # runs/sft + embedded prefs -> runs/reward
@@ -46,9 +49,12 @@ from common import TrainArgs
 # learning_rate 3e-4: at 1e-3 seed 0's reward model reached test accuracy 0.728 (its pairs' label ceiling
 # 0.777), at 3e-4 0.772; seed 1: 0.812 and 0.817 (ceiling 0.819). max_steps 1200: a fact copied wrongly
 # (the world's contrast pairs) is learnt only after about 1000 steps; at 400 the model scores it nearly
-# like the right fact (CHANGELOG.md, 2026-12-05).
+# like the right fact (CHANGELOG.md, 2026-12-05). expand_layers 1: the policy's two layers learnt wrong
+# objects or wrong actions, seldom both (test accuracy 0.784 / 0.812 on seeds 1 / 2); with a third
+# layer on top, both, on every seed (0.902 / 0.898; CHANGELOG.md, 2026-12-05, sixth session). eval_steps 300: each
+# evaluation scores all 1600 test pairs.
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 10, "batch_size": 32,
-                     "max_steps": 1200}
+                     "max_steps": 1200, "expand_layers": 1, "eval_steps": 300}
 
 
 @dataclass
@@ -64,8 +70,35 @@ class Args(TrainArgs):
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (embedded world: cosine)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (embedded world: 10)."})
     batch_size: int = field(default=8, metadata={"help": "Preference pairs per micro-batch, 2x sequences (TRL's; embedded world: 32)."})
+    expand_layers: int = field(default=0, metadata={"help": "New decoder layers added on top of the policy's before training, output projections at zero so the model starts as the policy's (block expansion; embedded world: 1)."})
     # logging
-    eval_steps: int = field(default=100, metadata={"help": "Log test loss/accuracy/margin every this many steps (0: at the end only)."})
+    eval_steps: int = field(default=100, metadata={"help": "Log test loss/accuracy/margin every this many steps (0: at the end only; embedded world: 300)."})
+
+
+def expand_layers(model, n):
+    """Block expansion (Wu et al. 2024, LLaMA Pro): n new decoder layers on top of the trunk, with
+    the architecture's initialisation except their two output projections (attention's o_proj,
+    the MLP's down_proj), which start at zero. Each new layer then adds nothing to the residual
+    stream, so the expanded model computes exactly what the policy's trunk did, and training
+    grows it from there. Why a reward model may need one: read at the last token, it must see
+    what the policy's last layer computes at every other position -- which fact a clause copies
+    -- and only a layer above that one can read it there."""
+    body, config = sampling.backbone(model), model.config
+    for _ in range(n):
+        top = body.layers[-1]
+        if not (hasattr(getattr(top, "self_attn", None), "o_proj") and hasattr(getattr(top, "mlp", None), "down_proj")):
+            common.fail(f"--expand_layers: {type(top).__name__} has no self_attn.o_proj and mlp.down_proj "
+                        "(Llama, Qwen, Mistral and Gemma layers have them); pass --expand_layers 0.")
+        config.num_hidden_layers = len(body.layers) + 1
+        if getattr(config, "layer_types", None):  # one entry per layer (sliding or full attention): the top one's
+            config.layer_types = list(config.layer_types) + [config.layer_types[-1]]
+        layer = type(top)(config, len(body.layers))
+        for module in layer.modules():
+            model._init_weights(module)
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            torch.nn.init.zeros_(proj.weight)
+        body.layers.append(layer.to(device=top.self_attn.o_proj.weight.device, dtype=top.self_attn.o_proj.weight.dtype))
+    return model
 
 
 def bradley_terry_loss(chosen_rewards, rejected_rewards):
@@ -78,18 +111,18 @@ def bradley_terry_loss(chosen_rewards, rejected_rewards):
 def pair_scores(model, tokenizer, triples, args):
     """R_psi on chosen and rejected of a list of (prompt, chosen, rejected) texts: two (B,) tensors.
 
-    Both halves go through the model as one batch of 2B sequences (prompt left-padded,
-    response right-padded); the score is read at the last real token (sampling.sequence_scores).
+    Each prompt (left-padded) goes through the model once and both responses (right-padded) read
+    its key/value cache (sampling.completion_scores); the score is read at each response's last
+    real token, the same number as on prompt + response in one sequence.
     """
     prompts = [p for p, _, _ in triples]
-    responses = [c for _, c, _ in triples] + [r for _, _, r in triples]
+    responses = [x for _, c, r in triples for x in (c, r)]  # pair i's chosen, then its rejected
     p_ids, p_mask = data.encode_prompts(tokenizer, prompts, args.max_prompt_length)  # (B, P)
     c_ids, c_mask = data.encode_completions(tokenizer, responses, args.max_completion_length,
                                               sampling.stop_token_ids(model, tokenizer))  # (2B, C)
-    ids = torch.cat([p_ids.repeat(2, 1), c_ids], 1).to(model.device)  # (2B, P+C)
-    mask = torch.cat([p_mask.repeat(2, 1), c_mask], 1).to(model.device)
-    scores = sampling.sequence_scores(model, ids, mask)  # (2B,)
-    return scores[:len(triples)], scores[len(triples):]
+    scores = sampling.completion_scores(model, p_ids.to(model.device), p_mask.to(model.device),
+                                        c_ids.to(model.device), c_mask.to(model.device))  # (2B,)
+    return scores[0::2], scores[1::2]
 
 
 @torch.no_grad()
@@ -118,11 +151,17 @@ def main():
     from transformers import AutoModelForSequenceClassification
 
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
+    if args.eval_steps < 0 or args.expand_layers < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
+        common.fail("--eval_steps and --expand_layers must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
     if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
-        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size,
+        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
-    if args.eval_steps < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
-        common.fail("--eval_steps must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
+    if args.expand_layers and args.use_peft:
+        if common.passed("expand_layers"):
+            common.fail("--expand_layers trains new layers in full, which --use_peft's adapter folder cannot hold: "
+                        "pass one of them.")
+        args.expand_layers = 0  # the embedded default gives way to adapters
+        print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())
     device = common.device()
@@ -147,6 +186,7 @@ def main():
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     # --use_peft: LoRA adapters on a frozen base, and the new score head trained in full
     model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
+    expand_layers(model, args.expand_layers)  # before distributing, resuming and the optimizer: they see the new layers
     model.config.pad_token_id = tokenizer.pad_token_id
     # dropout off (TRL's disable_dropout=True) by zeroing it, in training mode (gradient checkpointing
     # works only there): scores are deterministic

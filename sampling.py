@@ -133,21 +133,17 @@ def is_checkpointing(model):
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature=1.0, with_entropy=False, chunk_tokens=None):
-    """Per-token log pi(y_t | x, y_<t) of the completion tokens: (B, C), 0 where masked.
+def completion_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Last-layer hidden states of the prompt's last token and of every completion token:
+    (B*k, 1+C, H), so that column t is the state before completion token t (what predicts it)
+    and column t+1 the state at it (where a reward model reads a score).
 
     Shared prompts: when there are k > 1 times as many completions as prompts, completion row i
-    continues prompt row i // k (the layout of `repeat_interleave(k)`: GRPO's groups, DPO's
-    chosen/rejected pairs). Each prompt then goes through the model once and its key/value cache
-    is repeated for its k completions -- the same numbers as k copies of the prompt, with k times
-    less prompt compute. (Under gradient checkpointing with gradients on, HF layers refuse a
-    cache, so the prompt is repeated instead.)
-
-    Memory: the head is applied to completion positions only (not the prompt, not padding), in
-    chunks of rows, each under activation checkpointing, so at most one chunk of fp32 logits
-    `(chunk_tokens, vocab)` exists at a time, in forward and in backward; never `(B, T, V)`.
-    With `with_entropy`, also returns the per-token entropy of the (tempered) distribution.
+    continues prompt row i // k (the layout of `repeat_interleave(k)`: GRPO's groups, DPO's and
+    reward.py's chosen/rejected pairs). Each prompt then goes through the model once and its
+    key/value cache is repeated for its k completions -- the same numbers as k copies of the
+    prompt, with k times less prompt compute. (Under gradient checkpointing with gradients on,
+    HF layers refuse a cache, so the prompt is repeated instead.)
     """
     k = completion_ids.shape[0] // prompt_ids.shape[0]
     C = completion_ids.shape[1]
@@ -162,17 +158,30 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         mask = torch.cat([prompt_mask.repeat_interleave(k, 0), completion_mask], 1)  # (B*k, P+C)
         hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=position_ids(mask)[:, -C:],
                       **with_cache(body, cache)).last_hidden_state  # (B*k, C, H)
-        # the state before each completion token: the prompt's last, then the completion's own
-        hidden = torch.cat([prompt_hidden[:, -1:].repeat_interleave(k, 0), hidden[:, :-1]], 1)  # (B*k, C, H)
-        del cache, prompt_hidden
-    else:
-        if k > 1:
-            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
-        ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P+C)
-        mask = torch.cat([prompt_mask, completion_mask], 1)
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                      use_cache=False).last_hidden_state  # (B, P+C, H)
-        hidden = hidden[:, -C - 1:-1]  # (B, C, H): the state before each completion token
+        return torch.cat([prompt_hidden[:, -1:].repeat_interleave(k, 0), hidden], 1)  # (B*k, 1+C, H)
+    if k > 1:
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
+    ids = torch.cat([prompt_ids, completion_ids], 1)  # (B, P+C)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                  use_cache=False).last_hidden_state  # (B, P+C, H)
+    return hidden[:, -C - 1:]  # (B, 1+C, H)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature=1.0, with_entropy=False, chunk_tokens=None):
+    """Per-token log pi(y_t | x, y_<t) of the completion tokens: (B, C), 0 where masked.
+
+    Shared prompts: when there are k > 1 times as many completions as prompts, completion row i
+    continues prompt row i // k, and each prompt goes through the model once (`completion_states`).
+
+    Memory: the head is applied to completion positions only (not the prompt, not padding), in
+    chunks of rows, each under activation checkpointing, so at most one chunk of fp32 logits
+    `(chunk_tokens, vocab)` exists at a time, in forward and in backward; never `(B, T, V)`.
+    With `with_entropy`, also returns the per-token entropy of the (tempered) distribution.
+    """
+    states = completion_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, 1+C, H)
+    hidden = states[:, :-1]  # (B, C, H): the state before each completion token
     keep = completion_mask.bool()
     h, labels = hidden[keep], completion_ids[keep]  # (N, H), (N,): real tokens only
     head = model.get_output_embeddings()
@@ -398,6 +407,16 @@ def sequence_scores(model, input_ids, attention_mask):
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of last real token
     h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
     return model.score(h).squeeze(-1).float()  # (B,)
+
+
+def completion_scores(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """sequence_scores of prompt + completion, given apart: (B*k,), read at each completion's last
+    real token. With k > 1 completions per prompt (row i continues prompt row i // k), each prompt
+    goes through the model once (`completion_states`): reward.py's chosen and rejected share it."""
+    states = completion_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B*k, 1+C, H)
+    last = completion_mask.sum(1)  # (B*k,): column of the last real completion token (0: the prompt's last)
+    h = states[torch.arange(states.shape[0], device=states.device), last]  # (B*k, H)
+    return model.score(h).squeeze(-1).float()  # (B*k,)
 
 
 @torch.no_grad()

@@ -10,6 +10,10 @@ or so each) is checked through the project's own functions against transformers 
   large enough to matter (Gemma's softcap, Cohere's logit_scale, Granite's logits_scaling);
 - a stop token listed only in `generation_config.eos_token_id` ends the completion, and the
   row is not flagged truncated;
+- reward-model scores with chosen and rejected sharing their prompt's pass
+  (`sampling.completion_scores`, what reward.py trains on) == the score read on prompt +
+  completion in one sequence, and a reward model grown by `reward.expand_layers` scores exactly
+  as before (architectures whose layers have o_proj and down_proj; the others are refused);
 - the load-time check (`sampling.check_logits`) accepts the model, and refuses one whose
   forward transforms its logits in a way the project does not reproduce.
 """
@@ -126,6 +130,38 @@ def test_logprobs_match_the_forward_in_bf16(arch):
     # other and of fp32; a missing logit transform is off by nats
     torch.testing.assert_close(lp, ref, atol=0.1, rtol=0)
     torch.testing.assert_close(lp, exact, atol=0.15, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_reward_scores_share_the_prompt_and_survive_expansion(arch):
+    import reward
+
+    config_name, model_name, _ = ARCHITECTURES[arch]
+    cls = getattr(transformers, model_name.replace("ForCausalLM", "ForSequenceClassification"), None)
+    if cls is None:
+        pytest.skip(f"transformers has no {model_name.replace('ForCausalLM', 'ForSequenceClassification')}")
+    config = copy.deepcopy(build(arch).config)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.load_state_dict(build(arch).state_dict(), strict=False)  # the trunk's weights; a fresh head
+    p_ids, p_mask = prompts()
+    c_ids, c_mask = data.encode_completions(tokenizer(), COMPLETIONS[:3] * 2)
+    c_ids, c_mask = c_ids[[0, 3, 1, 4, 2, 5]], c_mask[[0, 3, 1, 4, 2, 5]]  # rows 2i, 2i+1 continue prompt i
+    whole_ids = torch.cat([p_ids.repeat_interleave(2, 0), c_ids], 1)
+    whole_mask = torch.cat([p_mask.repeat_interleave(2, 0), c_mask], 1)
+    with torch.no_grad():
+        shared = sampling.completion_scores(model, p_ids, p_mask, c_ids, c_mask)  # (6,)
+        alone = sampling.sequence_scores(model, whole_ids, whole_mask)
+        torch.testing.assert_close(shared, alone, atol=1e-4, rtol=0)
+        layers = sampling.backbone(model).layers
+        if not hasattr(layers[-1], "mlp") or not hasattr(layers[-1].mlp, "down_proj"):
+            with pytest.raises(SystemExit, match="--expand_layers"):
+                reward.expand_layers(model, 1)
+            return
+        reward.expand_layers(model, 1)
+        assert len(layers) == model.config.num_hidden_layers == 3
+        torch.testing.assert_close(sampling.completion_scores(model, p_ids, p_mask, c_ids, c_mask), shared, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

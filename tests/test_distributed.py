@@ -315,8 +315,10 @@ def test_reward_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwe
     with open(prefs, "w") as f:
         for row in world.build_world(0, sizes={"sft": 1, "prefs": 40, "contrast": 0, "rl": 1, "test": 1})["prefs"]:
             f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    # --expand_layers 0: a new layer's q/k/v and MLP input start with gradients that are rounding noise
+    # (its output projections are zero), which Adam scales up to the learning rate; the run below grows one
     argv = ["--model", tiny_qwen, "--dataset", str(prefs), "--max_steps", "4", "--eval_steps", "0",
-            "--learning_rate", "3e-3", "--warmup_steps", "0", "--optim", "adamw"]
+            "--learning_rate", "3e-3", "--warmup_steps", "0", "--optim", "adamw", "--expand_layers", "0"]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     run = _launch(["reward.py", *argv, "--batch_size", "4", "--output_dir", two], nproc=2)
     run_main(reward, argv + ["--batch_size", "8", "--output_dir", one], monkeypatch)  # 1 rank, in this process
@@ -324,6 +326,14 @@ def test_reward_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwe
     _assert_same_training(one, two, keys=("loss", "accuracy"))  # margin: a difference near 0, reordered sums
     sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (one, two))
     assert sb["test_accuracy"] == sa["test_accuracy"] and sb["reward_mean"] == pytest.approx(sa["reward_mean"], abs=1e-4)
+    # a reward model grown by one layer (the embedded world's) under FSDP2: the new layer is sharded like the
+    # others and the saved model is the deeper one
+    grown = str(tmp_path / "grown")
+    argv[argv.index("--expand_layers") + 1] = "1"
+    assert _finish(_launch(["reward.py", *argv, "--batch_size", "4", "--parallel", "fsdp2", "--output_dir", grown],
+                           nproc=2)).count("reward: saved to") == 1
+    config = json.load(open(os.path.join(grown, "config.json")))
+    assert config["num_hidden_layers"] == 3 and len(config["layer_types"]) == 3
 
 
 def test_ppo_under_torchrun_with_fsdp2_resumes_exactly(tmp_path, tiny_qwen):

@@ -1,5 +1,5 @@
 """reward.py: the Bradley-Terry loss on hand-built pairs, the shared-prompt batching of chosen and
-rejected, and the script end to end at tiny size."""
+rejected, block expansion, and the script end to end at tiny size."""
 
 import json
 import math
@@ -53,6 +53,43 @@ def test_pair_scores_match_scoring_each_sequence_alone(tiny_qwen):
     assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(chosen - rejected).mean().item(), rel=1e-6)
 
 
+def test_expanded_layers_start_as_the_trunk_train_and_load_as_saved(tmp_path, tiny_qwen):
+    """Block expansion: a new top layer whose output projections are zero adds nothing, so the
+    expanded model scores exactly as the trunk did; the loss reaches the new layers; and the saved
+    folder loads with AutoModelForSequenceClassification as the deeper model, scores unchanged."""
+    from transformers import AutoModelForSequenceClassification
+
+    class A:
+        max_prompt_length, max_completion_length = 512, 256
+
+    tok = common.load_tokenizer(tiny_qwen)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_qwen, num_labels=1).eval()
+    triples = [("POST: alice bought the bike . TL;DR:", " alice bought bike .", " alice sold bike ."),
+               ("POST: bob lost the phone at the park . erin hid the lamp . TL;DR:", " bob lost phone . erin hid lamp .",
+                " bob lost lamp . erin hid lamp .")]
+    with torch.no_grad():
+        before = reward.pair_scores(model, tok, triples, A)
+    reward.expand_layers(model, 2)
+    assert model.config.num_hidden_layers == len(model.config.layer_types) == len(model.model.layers) == 4
+    after = reward.pair_scores(model, tok, triples, A)
+    assert all(torch.equal(b, a) for b, a in zip(before, after))
+    reward.bradley_terry_loss(*after)[0].backward()
+    top = model.model.layers[-1]
+    assert top.self_attn.o_proj.weight.grad.abs().sum() > 0 and top.mlp.down_proj.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # as after training: the new layers compute something
+        for p in model.model.layers[2:].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        trained = reward.pair_scores(model, tok, triples, A)
+    assert not torch.equal(trained[0], before[0])
+    model.save_pretrained(tmp_path / "rm")
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert loaded.config.num_hidden_layers == 4
+    with torch.no_grad():
+        for s, t in zip(reward.pair_scores(loaded, tok, triples, A), trained):
+            torch.testing.assert_close(s, t)
+
+
 def test_reward_end_to_end_on_the_embedded_world(tmp_path, tiny_qwen):
     out = str(tmp_path / "rm")
     proc = run_script("reward.py", "--model", tiny_qwen, "--output_dir", out, "--max_steps", "4", "--batch_size", "8",
@@ -75,6 +112,7 @@ def test_reward_end_to_end_on_the_embedded_world(tmp_path, tiny_qwen):
                                                             "trust_remote_code": False}))
     assert rm.config.reward_mean == pytest.approx(summary["reward_mean"])
     assert rm.config.num_labels == 1 and os.path.isdir(os.path.join(out, "checkpoint-4"))
+    assert rm.config.num_hidden_layers == 3  # the embedded world's reward model: the policy's 2 layers + 1 new
 
 
 def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen, monkeypatch, capsys):
@@ -85,6 +123,9 @@ def test_reward_rejects_data_without_pairs(tmp_path, tiny_qwen, monkeypatch, cap
     message = main_error(reward, ["--model", tiny_qwen, "--dataset", str(bad), "--output_dir", str(tmp_path / "o")],
                          monkeypatch, capsys)
     assert "no column 'rejected'" in message
+    message = main_error(reward, ["--model", tiny_qwen, "--use_peft", "--expand_layers", "1",
+                                  "--output_dir", str(tmp_path / "o")], monkeypatch, capsys)
+    assert "--expand_layers" in message and "--use_peft" in message
 
 
 def test_gradient_checkpointing_shrinks_reward_model_activations(tmp_path, tiny_qwen, monkeypatch):
