@@ -1,6 +1,7 @@
 """Log-probs, sampling and reward-model scores: the shared code a forker of ppo.py, dpo.py or
 grpo.py must read and trust. Every algorithm computes its ratio, KL and loss from
-`completion_logprobs`, samples with `generate`, and reads a reward model with `sequence_scores`.
+`completion_logprobs`, samples with `generate`, and reads a reward model with `sequence_scores`
+(reward.py, whose chosen and rejected share a prompt, with `completion_scores`).
 
 Conventions: prompts are left-padded (B, P), completions right-padded (B, C); masks, never pad
 ids, say where a sequence starts and ends, so pad == EOS is safe. When there are k times as many

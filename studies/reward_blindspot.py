@@ -26,6 +26,13 @@ model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.9
 two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"):
 
     python studies/reward_blindspot.py kinds runs/reward --seed 0
+`repeats` splits its accuracy on the copy-error probes by what a counter of repeated words would
+see (`repeat_case`): a fact copied from another fact of the post repeats a word, so a reward model
+that penalises repeated actions and objects, rather than checking each clause against the post,
+is right where the reference repeats none, wrong more often where the post's facts share an action
+or an object, and wrong where the copied word is not in the post at all:
+
+    python studies/reward_blindspot.py repeats runs/reward --seed 0
 """
 
 import argparse
@@ -143,6 +150,43 @@ def kinds(folder, seed, test_size=0.1):
             for k, (n, right, ceiling) in sorted(out.items())}
 
 
+def repeat_case(post, good, bad):
+    """Which case of `repeats` a copy-error probe (reference `good`, `bad` with one word changed) is:
+    "wrong_word_not_in_post", "reference_repeats_a_word" (two of its facts share an action or an
+    object) or "reference_repeats_none"."""
+    g, b = good.split(), bad.split()
+    wrong = next(y for x, y in zip(g, b) if x != y)
+    if wrong not in post.split():
+        return "wrong_word_not_in_post"
+    actions, objects = g[1::4], g[2::4]  # clauses are "person action object ."
+    repeats = len(set(actions)) < len(actions) or len(set(objects)) < len(objects)
+    return "reference_repeats_a_word" if repeats else "reference_repeats_none"
+
+
+def repeats(folder, seed):
+    """A reward model's accuracy on the wrong-object and wrong-action probes by `repeat_case`."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import sampling
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    test = world.build_world(seed)["test"]
+    out = {}
+    for kind, (prompts, good, bad) in world.probe_pairs(test, seed).items():
+        if kind not in ("wrong_object", "wrong_action"):
+            continue
+        with torch.no_grad():
+            right = (sampling.reward_model_scores(model, tokenizer, prompts, good)
+                     > sampling.reward_model_scores(model, tokenizer, prompts, bad)).tolist()
+        cases = {}
+        for post, g, b, r in zip(test["post"], good, bad, right):
+            n, k = cases.get(repeat_case(post, g, b), (0, 0))
+            cases[repeat_case(post, g, b)] = (n + 1, k + r)
+        out[kind] = {c: {"probes": n, "accuracy": round(k / n, 3)} for c, (n, k) in sorted(cases.items())}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -159,6 +203,9 @@ def main():
     k = sub.add_parser("kinds", help="test accuracy by kind of pair (copy, omission, annotators) against each kind's ceiling")
     k.add_argument("model")
     k.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("repeats", help="copy-error probe accuracy split by whether the reference repeats a word")
+    r.add_argument("model")
+    r.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "pairs":
         rows = (pairs if args.writer == "confused" else minimal_pairs)(args.seed, args.share, args.num_pairs)
@@ -169,6 +216,8 @@ def main():
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         print(f"{len(rows)} pairs to {args.out}; label-noise ceiling {sum(agree) / len(agree):.3f}")
+    elif args.cmd == "repeats":
+        print(json.dumps({"model": args.model, "probe_accuracy_by_case": repeats(args.model, args.seed)}))
     elif args.cmd == "kinds":
         print(json.dumps({"model": args.model, "test_accuracy_by_kind": kinds(args.model, args.seed)}))
     else:

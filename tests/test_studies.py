@@ -197,6 +197,19 @@ def test_reward_blindspot_pair_kind_finds_the_world_contrast_pairs():
     assert after.count("annotators") == before.count("annotators")
 
 
+def test_reward_blindspot_repeat_case_tells_what_a_word_counter_sees():
+    study = _study("reward_blindspot")
+    post = "alice lost the phone . bob lost the bike at the park . carol sold the lamp ."
+    # the reference repeats "lost": a counter of repeated words sees nothing new in a copied object ...
+    assert study.repeat_case(post, " alice lost phone . bob lost bike . carol sold lamp .",
+                             " alice lost bike . bob lost bike . carol sold lamp .") == "reference_repeats_a_word"
+    # ... nor in an action that no fact of the post has
+    assert study.repeat_case(post, " alice lost phone . bob lost bike .",
+                             " alice hid phone . bob lost bike .") == "wrong_word_not_in_post"
+    assert study.repeat_case("carol sold the lamp . erin hid the car .", " carol sold lamp . erin hid car .",
+                             " carol sold car . erin hid car .") == "reference_repeats_none"
+
+
 def test_demo_seeds_reads_a_demo_folder_into_one_row(tmp_path, capsys, monkeypatch):
     study = _study("demo_seeds")
     for sub in ("eval", "reward", "sft"):
