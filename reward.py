@@ -49,10 +49,10 @@ from common import TrainArgs
 # learning_rate 3e-4: at 1e-3 seed 0's reward model reached test accuracy 0.728 (its pairs' label ceiling
 # 0.777), at 3e-4 0.772; seed 1: 0.812 and 0.817 (ceiling 0.819). max_steps 1200: a fact copied wrongly
 # (the world's contrast pairs) is learnt only after about 1000 steps; at 400 the model scores it nearly
-# like the right fact (CHANGELOG.md, 2026-12-05). expand_layers 1: the policy's two layers learnt wrong
-# objects or wrong actions, seldom both (test accuracy 0.784 / 0.812 on seeds 1 / 2); with a third
-# layer on top, both, on every seed (0.902 / 0.898; CHANGELOG.md, 2026-12-05, sixth session). eval_steps 300: each
-# evaluation scores all 1600 test pairs.
+# like the right fact (CHANGELOG.md, 2026-12-05). expand_layers 1: on the policy's two layers seeds 1 and 2
+# learnt wrong objects but not wrong actions (test accuracy 0.784 / 0.812); with a third layer on top,
+# seed 2 learnt both (0.894) and seed 1 both in one run of two (0.902; `make demo`'s: 0.814; CHANGELOG.md,
+# sixth session). eval_steps 300: each evaluation scores all 1600 test pairs.
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 10, "batch_size": 32,
                      "max_steps": 1200, "expand_layers": 1, "eval_steps": 300}
 
@@ -153,15 +153,15 @@ def main():
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.eval_steps < 0 or args.expand_layers < 0 or not (0 < args.test_size < 1 or args.eval_dataset):
         common.fail("--eval_steps and --expand_layers must be >= 0 and --test_size in (0, 1) (or pass --eval_dataset).")
-    if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
-        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
-                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
     if args.expand_layers and args.use_peft:
         if common.passed("expand_layers"):
             common.fail("--expand_layers trains new layers in full, which --use_peft's adapter folder cannot hold: "
                         "pass one of them.")
         args.expand_layers = 0  # the embedded default gives way to adapters
         print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
+    if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
+        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
+                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())
     device = common.device()
