@@ -158,7 +158,8 @@ def main():
             common.fail("--expand_layers trains new layers in full, which --use_peft's adapter folder cannot hold: "
                         "pass one of them.")
         args.expand_layers = 0  # the embedded default gives way to adapters
-        print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
+        if parallel.is_main():
+            print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
     if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
         memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
                           prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
