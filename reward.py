@@ -77,8 +77,9 @@ class Args(TrainArgs):
 
 def expand_layers(model, n):
     """Block expansion (Wu et al. 2024, LLaMA Pro): n new decoder layers on top of the trunk, with
-    the architecture's initialisation except their two output projections (attention's o_proj,
-    the MLP's down_proj), which start at zero. Each new layer then adds nothing to the residual
+    the architecture's initialisation (LLaMA Pro copies the layer below; CHANGELOG.md has one
+    try of that here) except their two output projections (attention's o_proj, the MLP's
+    down_proj), which start at zero. Each new layer then adds nothing to the residual
     stream, so the expanded model computes exactly what the policy's trunk did, and training
     grows it from there. Why a reward model may need one: read at the last token, it must see
     what the policy's last layer computes at every other position -- which fact a clause copies

@@ -26,6 +26,13 @@ model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.9
 two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"):
 
     python studies/reward_blindspot.py kinds runs/reward --seed 0
+
+`kinds --logprob` scores the same pairs by a policy's own log-probability of each response instead:
+the SFT policy's trunk, from which reward.py starts, already ranks nearly every copy-error pair
+right that way (a copied word is one it did not predict), so what a reward model misses there it
+failed to read out at its last token, not to know:
+
+    python studies/reward_blindspot.py kinds runs/sft --logprob --seed 0
 `repeats` splits its accuracy on the copy-error probes by what a counter of repeated words would
 see (`repeat_case`): a fact copied from another fact of the post repeats a word, so a reward model
 that penalises repeated actions and objects, rather than checking each clause against the post,
@@ -126,21 +133,39 @@ def pair_kind(row):
     return "omission" if extra == 4 and counts["unsupported"] == 0 and counts["missed"] == 1 else "annotators"
 
 
-def kinds(folder, seed, test_size=0.1):
-    """A reward model's test accuracy by kind of pair, against each kind's label-noise ceiling, on
-    the test split reward.py holds out of the embedded world's prefs (same seed, same --test_size)."""
+def logprob_scores(model, tokenizer, prompts, completions, batch_size=64):
+    """A causal LM's log-probability of each completion (EOS included) after its prompt: (N,)."""
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import data
+    import sampling
+    stops, out = sampling.stop_token_ids(model, tokenizer), []
+    for i in range(0, len(prompts), batch_size):
+        p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size])
+        c_ids, c_mask = data.encode_completions(tokenizer, completions[i:i + batch_size], None, stops)
+        with torch.no_grad():
+            out.append(sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask).sum(1))
+    return torch.cat(out)
+
+
+def kinds(folder, seed, test_size=0.1, logprob=False):
+    """A reward model's test accuracy by kind of pair, against each kind's label-noise ceiling, on
+    the test split reward.py holds out of the embedded world's prefs (same seed, same --test_size).
+    With `logprob`, `folder` is a policy and its own log-probability of each response is the score:
+    how much of what a reward model must see its trunk already holds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     import sampling
     ds = world.build_world(seed)["prefs"]
     perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()  # reward.py's split
     test = ds.select(perm[:max(1, int(len(ds) * test_size))])
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    model = (AutoModelForCausalLM if logprob else AutoModelForSequenceClassification).from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    score = logprob_scores if logprob else sampling.reward_model_scores
     with torch.no_grad():
-        chosen = sampling.reward_model_scores(model, tokenizer, test["prompt"], test["chosen"])
-        rejected = sampling.reward_model_scores(model, tokenizer, test["prompt"], test["rejected"])
+        chosen = score(model, tokenizer, test["prompt"], test["chosen"])
+        rejected = score(model, tokenizer, test["prompt"], test["rejected"])
     out = {}
     for row, c, r in zip(test, chosen.tolist(), rejected.tolist()):
         kind, gold = pair_kind(row), row["chosen_gold"] - row["rejected_gold"]
@@ -203,6 +228,8 @@ def main():
     k = sub.add_parser("kinds", help="test accuracy by kind of pair (copy, omission, annotators) against each kind's ceiling")
     k.add_argument("model")
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--logprob", action="store_true",
+                   help="MODEL is a policy (runs/sft): score each response by the policy's own log-probability")
     r = sub.add_parser("repeats", help="copy-error probe accuracy split by whether the reference repeats a word")
     r.add_argument("model")
     r.add_argument("--seed", type=int, default=0)
@@ -219,7 +246,8 @@ def main():
     elif args.cmd == "repeats":
         print(json.dumps({"model": args.model, "probe_accuracy_by_case": repeats(args.model, args.seed)}))
     elif args.cmd == "kinds":
-        print(json.dumps({"model": args.model, "test_accuracy_by_kind": kinds(args.model, args.seed)}))
+        print(json.dumps({"model": args.model, "score": "log-probability" if args.logprob else "reward model",
+                          "test_accuracy_by_kind": kinds(args.model, args.seed, logprob=args.logprob)}))
     else:
         print(json.dumps({"model": args.model, "probe_accuracy": probe(args.model, args.seed)}))
 

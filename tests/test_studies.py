@@ -228,3 +228,29 @@ def test_demo_seeds_reads_a_demo_folder_into_one_row(tmp_path, capsys, monkeypat
     assert len(cells) == len(header.strip("|").split("|")) == rule.count("---")
     assert cells[:5] == ["4", "0.500", "0.800 (0.900)", "1.00 / 0.88 / 0.50", "0.75"]
     assert cells[5] == "0.690 (0.60, 0.80), 0.500" and cells[6] == "**0.700 (0.60, 0.80), 0.500**"  # bold: the target holds
+
+
+def test_reward_blindspot_logprob_kinds_score_each_response_by_the_policy(tmp_path, monkeypatch):
+    import torch
+
+    import scratch
+    import world
+    study = _study("reward_blindspot")
+    small = world.build_world(3, sizes={"sft": 10, "prefs": 40, "contrast": 120, "rl": 2, "test": 2})
+    monkeypatch.setattr(world, "build_world", lambda seed: small)
+    tok = world.build_tokenizer()
+    model = scratch.build_model(tok, 32, 1, 0).eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    rows = small["prefs"].select(range(3))
+    got = study.logprob_scores(model, tok, rows["prompt"], rows["rejected"], batch_size=2)
+    for row, lp in zip(rows, got.tolist()):  # the same sum as one sequence through the model, EOS included
+        p = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        c = tok(row["rejected"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c])).logits[0].float().log_softmax(-1)
+        want = sum(float(logits[len(p) - 1 + t, c[t]]) for t in range(len(c)))
+        assert abs(lp - want) < 1e-4, (lp, want)
+    out = study.kinds(str(tmp_path), 3, logprob=True)
+    assert sum(k["pairs"] for k in out.values()) == 16 and set(out) <= {"copy", "omission", "annotators"}
+    assert out["copy"]["label_ceiling"] > 0.9
