@@ -33,6 +33,7 @@ right that way (a copied word is one it did not predict), so what a reward model
 failed to read out at its last token, not to know:
 
     python studies/reward_blindspot.py kinds runs/sft --logprob --seed 0
+
 `repeats` splits its accuracy on the copy-error probes by what a counter of repeated words would
 see (`repeat_case`): a fact copied from another fact of the post repeats a word, so a reward model
 that penalises repeated actions and objects, rather than checking each clause against the post,
