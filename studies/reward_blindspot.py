@@ -207,8 +207,9 @@ def repeats(folder, seed):
                      > sampling.reward_model_scores(model, tokenizer, prompts, bad)).tolist()
         cases = {}
         for post, g, b, r in zip(test["post"], good, bad, right):
-            n, k = cases.get(repeat_case(post, g, b), (0, 0))
-            cases[repeat_case(post, g, b)] = (n + 1, k + r)
+            case = repeat_case(post, g, b)
+            n, k = cases.get(case, (0, 0))
+            cases[case] = (n + 1, k + r)
         out[kind] = {c: {"probes": n, "accuracy": round(k / n, 3)} for c, (n, k) in sorted(cases.items())}
     return out
 
