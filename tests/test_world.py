@@ -105,6 +105,12 @@ def test_contrast_pairs_are_a_careful_summary_against_one_copy_error_or_omission
         p, a, o = bad[0]
         right = {f[0]: f for f in facts}[p]  # the fact's person, and one of its action and object wrong
         assert (a == right[1]) != (o == right[2])
+        if len({f[1:] for f in facts}) > 1:  # copied from another fact of the post (where one differs)
+            assert (a if a != right[1] else o) in post.split()
+    # where every fact has the same action, the slip copies an object (an invented action is no copy error)
+    facts = [("alice", "bought", "bike"), ("bob", "bought", "phone")]
+    assert {world.slip(rng, facts) for _ in range(40)} == {"alice bought phone . bob bought phone .",
+                                                           "alice bought bike . bob bought bike ."}
     # three quarters of the pairs (900 of 1200), labelled like the annotators' pairs: the careful summary
     # wins but for noise; two in three hold a copy error, one in three leave a fact out
     prefs = small_world["prefs"]
