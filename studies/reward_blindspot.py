@@ -23,7 +23,8 @@ model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.9
     python studies/reward_blindspot.py pairs --writer minimal --seed 0 --share 0.5 --num_pairs 8000 --out runs/x29/minimal.jsonl
 
 `kinds` gives a reward model's test accuracy on the world's pairs by kind (copy error, omission,
-two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"):
+two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"),
+and the copy errors again by `repeat_case` (below):
 
     python studies/reward_blindspot.py kinds runs/reward --seed 0
 
@@ -38,7 +39,9 @@ failed to read out at its last token, not to know:
 see (`repeat_case`): a fact copied from another fact of the post repeats a word, so a reward model
 that penalises repeated actions and objects, rather than checking each clause against the post,
 is right where the reference repeats none, wrong more often where the post's facts share an action
-or an object, and wrong where the copied word is not in the post at all:
+or an object, and wrong where the copied word is not in the post at all (a probe's wrong action
+where every fact has the same action; the world's slips copy the other field there since the
+eighth session, CHANGELOG.md):
 
     python studies/reward_blindspot.py repeats runs/reward --seed 0
 """
@@ -167,13 +170,24 @@ def kinds(folder, seed, test_size=0.1, logprob=False):
     with torch.no_grad():
         chosen = score(model, tokenizer, test["prompt"], test["chosen"])
         rejected = score(model, tokenizer, test["prompt"], test["rejected"])
-    out = {}
+    out, cases = {}, {}  # cases: the copy-error pairs again, by `repeat_case`
     for row, c, r in zip(test, chosen.tolist(), rejected.tolist()):
         kind, gold = pair_kind(row), row["chosen_gold"] - row["rejected_gold"]
-        n, right, ceiling = out.get(kind, (0, 0.0, 0.0))
-        out[kind] = (n + 1, right + (c > r), ceiling + (0.5 if gold == 0 else float(gold > 0)))
-    return {k: {"pairs": n, "accuracy": round(right / n, 3), "label_ceiling": round(ceiling / n, 3)}
-            for k, (n, right, ceiling) in sorted(out.items())}
+        counts = [(out, kind)]
+        if kind == "copy":
+            good, bad = (row["chosen"], row["rejected"]) if gold > 0 else (row["rejected"], row["chosen"])
+            counts.append((cases, repeat_case(row["post"], good.strip(), bad.strip())))
+        for table, key in counts:
+            n, right, ceiling = table.get(key, (0, 0.0, 0.0))
+            table[key] = (n + 1, right + (c > r), ceiling + (0.5 if gold == 0 else float(gold > 0)))
+
+    def rates(table):
+        return {k: {"pairs": n, "accuracy": round(right / n, 3), "label_ceiling": round(ceiling / n, 3)}
+                for k, (n, right, ceiling) in sorted(table.items())}
+    out = rates(out)
+    if cases:
+        out["copy"]["by_case"] = rates(cases)
+    return out
 
 
 def repeat_case(post, good, bad):

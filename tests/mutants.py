@@ -347,6 +347,11 @@ MUTANTS = [
            "return 1000 + 400 * np.log10(p / p[..., :1])",
            "return 1000 + 400 * np.log(p / p[..., :1])",
            [T + "test_eval.py::test_bradley_terry_recovers_known_strengths"]),
+    # ---------------------------------------------------------------- world.py (the embedded world's data)
+    Mutant("world_slip_invents_a_word", "world.py",
+           "        field = 3 - field  # 1 <-> 2",
+           "        field = field  # 1 <-> 2",
+           [T + "test_world.py::test_contrast_pairs_are_a_careful_summary_against_one_copy_error_or_omission"]),
 ]
 
 

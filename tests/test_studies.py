@@ -254,3 +254,6 @@ def test_reward_blindspot_logprob_kinds_score_each_response_by_the_policy(tmp_pa
     out = study.kinds(str(tmp_path), 3, logprob=True)
     assert sum(k["pairs"] for k in out.values()) == 16 and set(out) <= {"copy", "omission", "annotators"}
     assert out["copy"]["label_ceiling"] > 0.9
+    by_case = out["copy"]["by_case"]  # the copy errors again, by what a counter of repeated words sees
+    assert sum(v["pairs"] for v in by_case.values()) == out["copy"]["pairs"]
+    assert set(by_case) <= {"reference_repeats_none", "reference_repeats_a_word", "wrong_word_not_in_post"}
