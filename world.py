@@ -233,8 +233,8 @@ def slip(rng, facts):
     the post has the same action (or object), no other fact can give one, so the slip copies the
     other field; `miscopy` would take a word the post does not hold: an invention, not a copy
     error, and one the annotators' pairs already cover (an inventive annotator adds a whole fact).
-    Until the eighth session those 5% of slips were inventions; reward models scored them 0.00-0.34,
-    preferring the invented word (CHANGELOG.md)."""
+    Until the eighth session those 4.5% of slips were inventions, and reward models scored them
+    0.00-0.34, preferring the invented word (CHANGELOG.md)."""
     i = rng.randrange(len(facts))
     field = 2 if rng.random() < 0.5 else 1
     if all(f[field] == facts[i][field] for f in facts):  # no other fact has another one to copy
