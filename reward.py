@@ -54,7 +54,8 @@ from common import TrainArgs
 # seed 2 learnt both (0.894) and seed 1 both in one run of two (0.902; `make demo`'s: 0.814; CHANGELOG.md,
 # sixth session). warmup_steps 100 (was 10): with the new layer, seeds 0 / 1 / 2 reach 0.902 / 0.916 / 0.894
 # and each sees both copy errors (0.89-0.94), where at 10 seed 1 gave 0.814, blind to wrong actions (0.56);
-# 300 gives the same (CHANGELOG.md, seventh session; on the world's slips before the eighth session's). eval_steps 300: each evaluation scores all 1600 test pairs.
+# 300 gives the same (CHANGELOG.md, seventh session; on the world's slips before the eighth session's).
+# eval_steps 300: each evaluation scores all 1600 test pairs.
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 100, "batch_size": 32,
                      "max_steps": 1200, "expand_layers": 1, "eval_steps": 300}
 
