@@ -62,7 +62,7 @@ demo-eval: $(DEMO_STAGES)
 	$(call demo_stage,eval,$(SFT_THREADS),eval.py sft=$(RUNS)/sft ppo=$(RUNS)/ppo ppo_gold=$(RUNS)/ppo_gold dpo=$(RUNS)/dpo dpo_online=$(RUNS)/dpo_online grpo=$(RUNS)/grpo grpo_rm=$(RUNS)/grpo_rm --output_dir $(RUNS)/eval)
 	@cat $(RUNS)/eval/results.md
 
-# RLVR on the arithmetic world (world_arith.py): SFT from scratch on noisy worked solutions, then
+# RLVR on the arithmetic world (worlds/world_arith.py): SFT from scratch on noisy worked solutions, then
 # GRPO with the exact-answer verifier over three training seeds (whether a run discovers the
 # dropped carry varies by seed: the README's "The arithmetic world"), then accuracy and pass@k
 # (strict and lenient checks) with CIs over prompts and over seeds + prompts. Not part of `demo`.
@@ -83,7 +83,7 @@ demo-rlvr-vllm: install vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python sweep.py grpo.py --seeds 0,1,2 --use_vllm False,True --output_dir runs/grpo_arith_vllm -- --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0
 	.venv-vllm/bin/python eval.py sft=runs/sft_arith 'project=runs/grpo_arith_vllm/use_vllmFalse/seed*' 'vllm=runs/grpo_arith_vllm/use_vllmTrue/seed*' --dataset embedded:arith --reward_fn arith_strict --group_by carry_trap --output_dir runs/eval_arith_vllm
 
-# The arithmetic world with a calculator tool (world_arith.py, embedded:arith_tools; calculator.py): SFT from
+# The arithmetic world with a calculator tool (worlds/world_arith.py, embedded:arith_tools; worlds/calculator.py): SFT from
 # scratch on demonstrations that call the tool on some problems (and make the carry error when they don't),
 # then GRPO with --tools and the strict verifier over three training seeds, then accuracy with and without the
 # tool, the share of problems where it is called and the calls' failure rate, with CIs over prompts and over
@@ -91,11 +91,11 @@ demo-rlvr-vllm: install vllm-env
 demo-tools: install
 	$(PYTHON) sft.py --dataset embedded:arith_tools --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith_tools --overwrite_output_dir
 	rm -rf runs/grpo_arith_tools
-	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_arith_tools -- --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools calculator.py:add --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0
+	$(PYTHON) sweep.py grpo.py --seeds 0,1,2 --output_dir runs/grpo_arith_tools -- --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools worlds/calculator.py:add --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0
 	$(PYTHON) studies/arith_tools.py sft=runs/sft_arith_tools 'grpo=runs/grpo_arith_tools/grpo/seed*' --output_dir runs/eval_arith_tools
 
-# Execution-verified RL on the code world (world_code.py): SFT from scratch on a noisy demonstrator's
-# code, then GRPO with the strict execution verifier (sandbox.py: 1 when the code passes all the
+# Execution-verified RL on the code world (worlds/world_code.py): SFT from scratch on a noisy demonstrator's
+# code, then GRPO with the strict execution verifier (rlhf/sandbox.py: 1 when the code passes all the
 # hidden asserts of the `tests` column) over three training seeds, then pass@1 / pass@k (all tests
 # pass) with CIs over prompts and over seeds + prompts, per family (the abs family's test tasks are
 # all abs traps, the demonstrator's systematic error). Not part of `demo`.

@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-import checkpoints
-import data
-import lora
-import parallel
-import sampling
-import world
-from basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
+from rlhf import checkpoints
+from rlhf import data
+from rlhf import lora
+from rlhf import parallel
+from rlhf import sampling
+from worlds import world
+from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
     ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, code_split, device,
     embedded_world, fail, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
-from reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
+from rlhf.reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
     REWARD_KWARGS, call_reward_fns, load_eval_reward_fns, load_reward_fn, load_reward_fns, parse_reward_weights,
     weighted_rewards)
 

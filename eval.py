@@ -82,16 +82,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import policies
-import reports
-import sampling
-import vllm_rollouts
-import world
+from rlhf import data
+from rlhf import policies
+from rlhf import reports
+from rlhf import sampling
+from rlhf import vllm_rollouts
+from worlds import world
 from common import ModelArgs, VllmArgs
-from policies import REFERENCE
+from rlhf.policies import REFERENCE
 
 CI_LEVEL = 0.95
 BT_PRIOR_GAMES = 1.0  # virtual drawn games per pair of policies (see the module docstring)

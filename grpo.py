@@ -86,7 +86,7 @@ Run:
     python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
     python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
     python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
-    python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools calculator.py:add \
+    python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools worlds/calculator.py:add \
         --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0   # tool calls (make demo-tools)
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
     .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
@@ -99,16 +99,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import lora
-import memory
-import parallel
-import sampling
-import tools
-import tracking
-import vllm_rollouts
+from rlhf import data
+from rlhf import lora
+from rlhf import memory
+from rlhf import parallel
+from rlhf import sampling
+from rlhf import tools
+from rlhf import tracking
+from rlhf import vllm_rollouts
 from common import SamplingArgs
 
 ADV_EPS = 1e-4  # eps of the group normalisation (TRL's value); a group with std 0 gets A = 0

@@ -71,15 +71,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import lora
-import memory
-import parallel
-import sampling
-import tracking
-import vllm_rollouts
+from rlhf import data
+from rlhf import lora
+from rlhf import memory
+from rlhf import parallel
+from rlhf import sampling
+from rlhf import tracking
+from rlhf import vllm_rollouts
 from common import SamplingArgs
 
 # what the embedded world's tiny policy needs instead of the pretrained defaults (common.apply_defaults)

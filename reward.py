@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import memory
-import parallel
-import sampling
-import tracking
-import world
+from rlhf import data
+from rlhf import memory
+from rlhf import parallel
+from rlhf import sampling
+from rlhf import tracking
+from worlds import world
 from common import TrainArgs
 
 # what the embedded world's tiny model needs instead of the pretrained defaults (common.apply_defaults)

@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import memory
-import parallel
-import sampling
-import scratch
-import tracking
-import world
-import world_arith
+from rlhf import data
+from rlhf import memory
+from rlhf import parallel
+from rlhf import sampling
+from worlds import scratch
+from rlhf import tracking
+from worlds import world
+from worlds import world_arith
 from common import TrainArgs
 
 # what training the embedded world's tiny policy from scratch needs (common.apply_defaults)

@@ -52,7 +52,7 @@ def build(workdir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import common
-    import world
+    from worlds import world
 
     model_dir = os.path.join(workdir, "model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -94,7 +94,7 @@ def trl_trainer(algo, model_dir, data, out, s):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trl
-    import world
+    from worlds import world
 
     torch.manual_seed(s["seed"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

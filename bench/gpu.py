@@ -90,7 +90,7 @@ def build_tokenizer(vocab_size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import world
+    from worlds import world
 
     words = ["<pad>", "<eos>", "<unk>"] + world.vocabulary()
     words += [f"w{i}" for i in range(vocab_size - len(words))]

@@ -34,14 +34,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoints  # noqa: E402
+from rlhf import checkpoints  # noqa: E402
 import common  # noqa: E402
-import data  # noqa: E402
+from rlhf import data  # noqa: E402
 import eval as evaluation  # noqa: E402
-import policies  # noqa: E402
-import sampling  # noqa: E402
-import tools  # noqa: E402
-import world_arith  # noqa: E402
+from rlhf import policies  # noqa: E402
+from rlhf import sampling  # noqa: E402
+from rlhf import tools  # noqa: E402
+from worlds import world_arith  # noqa: E402
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import world  # noqa: E402
+from worlds import world  # noqa: E402
 
 
 def copy_errors(rows, policy):

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoints  # noqa: E402
+from rlhf import checkpoints  # noqa: E402
 import common  # noqa: E402
-import data  # noqa: E402
+from rlhf import data  # noqa: E402
 import grpo  # noqa: E402
-import sampling  # noqa: E402
+from rlhf import sampling  # noqa: E402
 
 GROUPS = [(4, 16), (8, 8), (16, 4)]  # (G, prompts per step): 64 completions each
 

@@ -27,7 +27,7 @@ _JUDGE = {}  # the judge model, its tokenizer, and each prompt's baseline respon
 def _judge():
     if not _JUDGE:
         import common
-        import sampling
+        from rlhf import sampling
 
         path = os.environ.get("JUDGE_MODEL", "runs/sft")
         args = SimpleNamespace(dtype="float32", attn_implementation="auto", trust_remote_code=False, use_peft=False,
@@ -40,7 +40,7 @@ def _judge():
 
 def llm_judge(prompts, completions, **kwargs):
     """P(completion better than the judge model's greedy response), one float per completion."""
-    import data
+    from rlhf import data
     import eval as ev
 
     j = _judge()

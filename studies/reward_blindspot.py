@@ -53,7 +53,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import world  # noqa: E402
+from worlds import world  # noqa: E402
 
 
 def posts(rng, seed):
@@ -110,7 +110,7 @@ def probe(folder, seed):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    import sampling
+    from rlhf import sampling
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out = {}
@@ -141,8 +141,8 @@ def logprob_scores(model, tokenizer, prompts, completions, batch_size=64):
     """A causal LM's log-probability of each completion (EOS included) after its prompt: (N,)."""
     import torch
 
-    import data
-    import sampling
+    from rlhf import data
+    from rlhf import sampling
     stops, out = sampling.stop_token_ids(model, tokenizer), []
     for i in range(0, len(prompts), batch_size):
         p_ids, p_mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size])
@@ -160,7 +160,7 @@ def kinds(folder, seed, test_size=0.1, logprob=False):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    import sampling
+    from rlhf import sampling
     ds = world.build_world(seed)["prefs"]
     perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()  # reward.py's split
     test = ds.select(perm[:max(1, int(len(ds) * test_size))])
@@ -208,7 +208,7 @@ def repeats(folder, seed):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    import sampling
+    from rlhf import sampling
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     test = world.build_world(seed)["test"]

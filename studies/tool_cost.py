@@ -2,7 +2,7 @@
 arithmetic world with a calculator"). With the strict verifier alone a call costs nothing, so GRPO
 learns to call the tool on every problem; with this reward added, a call must pay for itself.
 
-    python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --tools calculator.py:add \
+    python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --tools worlds/calculator.py:add \
         --reward_fn arith_strict,studies/tool_cost.py:tool_cost --reward_weights 1,0.2 ...
 """
 

@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
-import data  # noqa: E402
-import sampling  # noqa: E402
-import scratch  # noqa: E402
+from rlhf import data  # noqa: E402
+from rlhf import sampling  # noqa: E402
+from worlds import scratch  # noqa: E402
 import sft  # noqa: E402
-import world  # noqa: E402
+from worlds import world  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = world.build_tokenizer  # the world's own, before run() swaps it

@@ -11,7 +11,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import world  # noqa: E402
+from worlds import world  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
@@ -150,7 +150,7 @@ def run_main(module, argv, monkeypatch):
     try:
         module.main()
     finally:  # as when a process exits: its <output_dir>/.lock is free again
-        import checkpoints
+        from rlhf import checkpoints
 
         if checkpoints._LOCK is not None:
             checkpoints._LOCK.close()

@@ -26,9 +26,9 @@ import torch
 import transformers
 
 import common
-import data
-import sampling
-import world
+from rlhf import data
+from rlhf import sampling
+from worlds import world
 
 PROMPTS = ["POST: alice bought the bike .\nTL;DR:",
            "POST: i think bob lost the red phone . we had a lot of fun . nobody knows why .\nTL;DR:",

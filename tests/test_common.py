@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import memory
-import world
+from rlhf import data
+from rlhf import memory
+from worlds import world
 
 
 def _args(**kw):

@@ -183,8 +183,8 @@ def _metrics_with_different_keys(tmp):
     pairs all tied has no loss): the union is logged, a missing key is absent from its mean."""
     from types import SimpleNamespace
 
-    import parallel
-    import tracking
+    from rlhf import parallel
+    from rlhf import tracking
 
     logger = tracking.MetricsLogger(SimpleNamespace(output_dir=f"{tmp}/metrics", report_to="none"))
     mine = [{"loss": 1.0, "ties": 4, "only_rank0": 2.0}, {"ties": 4, "only_rank1": 5.0}][parallel.rank()]
@@ -203,7 +203,7 @@ def _grpo_normalisers_over_ranks(tmp):
     from types import SimpleNamespace
 
     import grpo
-    import parallel
+    from rlhf import parallel
 
     G, N, C = 4, 16, 7
     g = torch.Generator().manual_seed(0)
@@ -239,9 +239,9 @@ def _bf16_ranks(tmp, tiny_qwen):
 
     from transformers import AutoModelForCausalLM
 
-    import checkpoints
+    from rlhf import checkpoints
     import common
-    import parallel
+    from rlhf import parallel
 
     def args(optim, par="ddp"):
         return SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, optim=optim, lr_scheduler_type="constant",
@@ -306,7 +306,7 @@ def test_two_gloo_ranks_in_process(tmp_path, tiny_qwen):
 
 
 def test_reward_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, monkeypatch):
-    import world
+    from worlds import world
     from conftest import run_main
 
     import reward

@@ -13,8 +13,8 @@ from conftest import run_script
 
 import common
 import dpo
-import sampling
-import world
+from rlhf import sampling
+from worlds import world
 
 
 def _metrics(folder):

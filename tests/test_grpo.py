@@ -178,7 +178,7 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
 
 
 def test_grpo_any_model_with_user_reward_and_reward_model(tmp_path, tiny_llama):
-    import world
+    from worlds import world
     from transformers import Qwen2ForSequenceClassification
 
     data = tmp_path / "prompts.jsonl"
@@ -265,7 +265,7 @@ def test_a_fork_says_its_own_name(tmp_path, tiny_qwen, monkeypatch, capsys):
     """cp grpo.py my_grpo.py: its note, progress bar and "saved to" say my_grpo, not grpo."""
     import sys
 
-    import tracking
+    from rlhf import tracking
 
     descs, progress = [], tracking.progress
     monkeypatch.setattr(tracking, "progress", lambda args, start, desc: descs.append(desc) or progress(args, start, desc))

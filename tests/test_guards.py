@@ -26,11 +26,11 @@ import pytest
 import torch
 from conftest import run_script
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import sampling
-import world
+from rlhf import data
+from rlhf import sampling
+from worlds import world
 
 
 def _write_jsonl(path, rows):

@@ -9,25 +9,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = ["ground", "plumbing", "kit", "scripts"]  # bottom to top
 
 
+PACKAGES = ["rlhf", "worlds"]  # the plumbing's package and the embedded worlds' folder
+
+
 def readme_floors():
-    """{module: floor index} from the README's `| floor | `file.py` | ... |` rows."""
-    rows = re.findall(r"^\| (\w+) \| `(\w+)\.py` \|", open(os.path.join(ROOT, "README.md")).read(), re.M)
-    return {module: FLOORS.index(floor) for floor, module in rows if floor in FLOORS}
+    """{module: floor index} from the README's `| floor | `[folder/]file.py` | ... |` rows; a module
+    in a folder is named as Python imports it (`rlhf.sampling`)."""
+    rows = re.findall(r"^\| (\w+) \| `([\w/]+)\.py` \|", open(os.path.join(ROOT, "README.md")).read(), re.M)
+    return {module.replace("/", "."): FLOORS.index(floor) for floor, module in rows if floor in FLOORS}
+
+
+def project_modules():
+    """{dotted module name: file} for the root's modules and those of the package folders."""
+    files = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
+    for pkg in PACKAGES:
+        files.update({f"{pkg}.{f[:-3]}": os.path.join(ROOT, pkg, f) for f in os.listdir(os.path.join(ROOT, pkg))
+                      if f.endswith(".py") and f != "__init__.py"})
+    return files
 
 
 def project_imports():
-    """{module: set of project modules it imports}, function-level imports included."""
-    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    """{module: set of project modules it imports}, function-level imports included. `from rlhf
+    import sampling` and `from rlhf.sampling import x` both import `rlhf.sampling`."""
+    files = project_modules()
     graph = {}
-    for m in modules:
+    for m, path in files.items():
         deps = set()
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, m + ".py")).read())):
+        for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[0] for a in node.names}
+                deps |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                deps.add(node.module.split(".")[0])
-        graph[m] = (deps & modules) - {m}
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[m] = (deps & set(files)) - {m}
     return graph
+
+
+def test_the_root_holds_the_scripts_and_common_only():
+    """The design card's shape: at the root the scripts a user runs and common.py; plumbing in rlhf/,
+    the worlds in worlds/ (README, "Files")."""
+    scripts = [m for m, floor in readme_floors().items() if floor == FLOORS.index("scripts")]
+    root = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert root == sorted(scripts + ["common"]), root
 
 
 def loops(graph):
@@ -68,3 +91,9 @@ def test_no_shared_module_imports_common():
     graph = project_imports()
     below = [m for m, floor in readme_floors().items() if floor < FLOORS.index("kit")]
     assert not [m for m in below if "common" in graph.get(m, ())]
+
+
+def test_a_module_in_a_package_is_seen_in_both_import_forms(tmp_path, monkeypatch):
+    """`from rlhf import sampling` and `from rlhf.sampling import x` are both edges to rlhf.sampling."""
+    graph = project_imports()
+    assert "rlhf.sampling" in graph["grpo"] and "rlhf.basics" in graph["rlhf.reward_contract"]

@@ -13,8 +13,8 @@ import torch
 from transformers import Qwen2Config
 
 import common
-import memory
-import sampling
+from rlhf import memory
+from rlhf import sampling
 import sft
 from conftest import ROOT, SavedBytes
 

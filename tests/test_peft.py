@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoints
+from rlhf import checkpoints
 import common
 import dpo
 import grpo
-import lora
-import memory
+from rlhf import lora
+from rlhf import memory
 import reward
-import sampling
+from rlhf import sampling
 import sft
 from conftest import SavedBytes
 

@@ -9,9 +9,9 @@ import torch
 from conftest import run_script
 
 import common
-import data
+from rlhf import data
 import ppo
-import sampling
+from rlhf import sampling
 
 
 def random_mask(B, C, gen):

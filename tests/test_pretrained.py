@@ -10,9 +10,9 @@ import pytest
 from transformers import Qwen2Config
 
 import common
-import data
+from rlhf import data
 import grpo
-import world
+from worlds import world
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import tracking
+from rlhf import tracking
 
 
 def _launch(*argv, env=None):
@@ -179,7 +179,7 @@ def test_ppo_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
 
 
 def test_reward_resumes_exactly_after_sigkill(tmp_path, tiny_qwen):
-    import world
+    from worlds import world
 
     prefs = tmp_path / "prefs.jsonl"
     with open(prefs, "w") as f:

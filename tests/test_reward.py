@@ -11,7 +11,7 @@ from conftest import run_script
 
 import common
 import reward
-import sampling
+from rlhf import sampling
 
 
 def test_bradley_terry_loss_and_accuracy_on_hand_built_pairs():

@@ -13,13 +13,13 @@ import torch
 from conftest import ROOT, chat_tokenizer, uniform_words_model
 
 import common
-import data
+from rlhf import data
 import dpo
 import eval as ev
 import grpo
 import ppo
 import reward
-import sampling
+from rlhf import sampling
 
 REWARD_FN = '''
 SEEN = []

@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import main_error, run_main
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
+from rlhf import data
 import dpo
-import policies
+from rlhf import policies
 import sft
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import common
-import data
-import sampling
-import world
+from rlhf import data
+from rlhf import sampling
+from worlds import world
 
 
 # ------------------------------------------------------------------ log-probs
@@ -106,7 +106,7 @@ def test_seeded_samples_of_rank_shards_equal_the_whole_batch(tiny_qwen, monkeypa
     """generate(seed=s) on N ranks, each with its contiguous shard of the prompts, samples what one
     process samples for the whole batch (each row's noise is keyed by seed, step and global row);
     the same seed samples the same again, another seed something else."""
-    import parallel
+    from rlhf import parallel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
@@ -130,7 +130,7 @@ def test_seeded_samples_of_rank_shards_equal_the_whole_batch(tiny_qwen, monkeypa
 
 def test_each_rank_draws_only_its_own_rows_noise(tiny_qwen, monkeypatch):
     """Rank 3 of 8 with 6 rows draws (6, vocab) uniforms per decoding step, not (8 x 6, vocab)."""
-    import parallel
+    from rlhf import parallel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen)

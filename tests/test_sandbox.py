@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import sandbox
+from rlhf import sandbox
 
 TIMEOUT = 2.0  # short limits keep these tests fast
 SLACK = 3.0  # process start and kill on a loaded 2-core machine

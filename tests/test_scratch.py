@@ -11,11 +11,11 @@ from conftest import run_script
 from transformers import AutoTokenizer
 
 import common
-import data
-import sampling
-import scratch
-import world
-import world_arith
+from rlhf import data
+from rlhf import sampling
+from worlds import scratch
+from worlds import world
+from worlds import world_arith
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def test_sft_from_scratch_on_the_embedded_world(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common
-    import world
+    from worlds import world
 
     texts = [r["prompt"] + r["completion"] for r in world.build_world()["sft"].select(range(50))]
     for folder in (out, os.path.join(out, "checkpoint-3"), os.path.join(out, "checkpoint-6")):

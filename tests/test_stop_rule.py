@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-import data
+from rlhf import data
 import dpo
-import sampling
+from rlhf import sampling
 import sft
 from conftest import chat_tokenizer, run_main
 

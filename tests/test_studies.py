@@ -96,7 +96,7 @@ def test_judge_agreement_counts_over_the_comparisons_gold_decides(tmp_path, monk
 
 
 def test_reward_blindspot_pairs_miscopy_one_fact_and_skip_test_posts(monkeypatch):
-    import world
+    from worlds import world
     study = _study("reward_blindspot")
     small = world.build_world(0, sizes={"sft": 10, "prefs": 10, "contrast": 10, "rl": 10, "test": 20})
     monkeypatch.setattr(world, "build_world", lambda seed: small)
@@ -146,8 +146,8 @@ def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
 
     import torch
 
-    import scratch
-    import world
+    from worlds import scratch
+    from worlds import world
     study = _study("unused_rows")
     tok = world.build_tokenizer()
     post = "bob sold the car . i think alice lost the red kettle ."
@@ -185,7 +185,7 @@ def test_unused_rows_early_stops_reads_the_stop_and_frozen_rows_stay_zero():
 
 
 def test_reward_blindspot_pair_kind_finds_the_world_contrast_pairs():
-    import world
+    from worlds import world
     study = _study("reward_blindspot")
     annotators = world.build_world(5, sizes={"sft": 10, "prefs": 300, "contrast": 0, "rl": 10, "test": 10})["prefs"]
     mixed = world.build_world(5, sizes={"sft": 10, "prefs": 300, "contrast": 600, "rl": 10, "test": 10})["prefs"]
@@ -233,8 +233,8 @@ def test_demo_seeds_reads_a_demo_folder_into_one_row(tmp_path, capsys, monkeypat
 def test_reward_blindspot_logprob_kinds_score_each_response_by_the_policy(tmp_path, monkeypatch):
     import torch
 
-    import scratch
-    import world
+    from worlds import scratch
+    from worlds import world
     study = _study("reward_blindspot")
     small = world.build_world(3, sizes={"sft": 10, "prefs": 40, "contrast": 120, "rl": 2, "test": 2})
     monkeypatch.setattr(world, "build_world", lambda seed: small)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import save_tiny
 
-import data
-import sampling
-import tools
+from rlhf import data
+from rlhf import sampling
+from rlhf import tools
 
 # Qwen2.5's layout: a system turn listing the tools' JSON schemas inside <tools></tools>, calls as
 # <tool_call>{json}</tool_call> in the assistant turn, consecutive tool replies grouped into one
@@ -328,7 +328,7 @@ def prepare_two_ranks(tmp):
 def tools_on_two_ranks(tmp):
     """On each of 2 ranks: its 2 prompts give every row the exchange 1 rank x 4 prompts gave it --
     the continuations after the tool replies draw the noise of the row's global index."""
-    import parallel
+    from rlhf import parallel
 
     folder = f"{tmp}/tools"
     one = torch.load(f"{folder}/one.pt")
@@ -360,8 +360,8 @@ ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("o
 def arith_tools_tokenizer(sft):
     """The world's tokenizer as sft.py builds it from scratch: the characters of every conversation
     as the world's chat template renders it (with its row's tools), and that template."""
-    import scratch
-    import world_arith as wa
+    from worlds import scratch
+    from worlds import world_arith as wa
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts = [render_jinja_template([r["prompt"] + r["completion"]], tools=r["tools"], chat_template=wa.CHAT_TEMPLATE)[0][0]
@@ -375,7 +375,7 @@ def test_arith_tools_demonstrations_round_trip():
     """The demonstrator's calls are what tools.parse_tool_calls reads and the sandboxed calculator
     answers; the reply turn SFT masks is what tools.tool_turn_ids appends in a rollout; the
     tokenizer writes every character back; a prompt without tools is embedded:arith's."""
-    import world_arith as wa
+    from worlds import world_arith as wa
 
     sizes = {"sft": 400, "rl": 10, "test": 50}
     world, plain = wa.build_world(seed=0, sizes=sizes, tools=True), wa.build_world(seed=0, sizes=sizes)
@@ -407,7 +407,7 @@ def test_arith_tools_demonstrations_round_trip():
 
 
 def test_grpo_on_arith_tools_end_to_end(tmp_path, monkeypatch):
-    """grpo.py --dataset embedded:arith_tools --tools calculator.py:add --reward_fn arith_strict on a
+    """grpo.py --dataset embedded:arith_tools --tools worlds/calculator.py:add --reward_fn arith_strict on a
     tiny model with the world's tokenizer: a scripted policy calls the tool on every other sample
     (with the problem's numbers, then copies the reply) and writes a wrong scratchpad on the others;
     the sandboxed calculator answers, and the strict verifier reads the last assistant turn."""
@@ -416,8 +416,8 @@ def test_grpo_on_arith_tools_end_to_end(tmp_path, monkeypatch):
     from conftest import run_main
 
     import grpo
-    import scratch
-    import world_arith as wa
+    from worlds import scratch
+    from worlds import world_arith as wa
 
     tok, texts = arith_tools_tokenizer(wa.build_world(seed=0, sizes={"sft": 200, "rl": 1, "test": 1}, tools=True)["sft"])
     scratch.build_model(tok, hidden_size=32, num_layers=1).save_pretrained(tmp_path / "model")
@@ -457,7 +457,7 @@ def test_sft_from_scratch_on_arith_tools(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     import sft
-    import world_arith as wa
+    from worlds import world_arith as wa
 
     out = str(tmp_path / "sft")
     run_main(sft, ["--dataset", wa.TOOLS_SPEC, "--hidden_size", "32", "--num_layers", "1", "--max_steps", "1",

@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import chat_tokenizer, run_script
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
+from rlhf import data
 import grpo
-import sampling
-import tracking
-import world
+from rlhf import sampling
+from rlhf import tracking
+from worlds import world
 
 
 # ------------------------------------------------------------------ sampling knobs

@@ -17,10 +17,10 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU build (default 4)
 
-import data  # noqa: E402
+from rlhf import data  # noqa: E402
 import grpo  # noqa: E402
-import sampling  # noqa: E402
-import vllm_rollouts  # noqa: E402
+from rlhf import sampling  # noqa: E402
+from rlhf import vllm_rollouts  # noqa: E402
 from conftest import chat_tokenizer, run_main, save_tiny  # noqa: E402
 
 needs_vllm = pytest.mark.skipif(
@@ -70,7 +70,7 @@ def test_fp32_logprobs_equal_the_policy_at_step_0_after_3_steps_and_with_lora(fi
     """In fp32 the engine's log-probs of its own samples are the trainer's to 1e-5: at the start,
     after 3 optimizer steps whose weights reach it through sync_weights, and for a LoRA policy
     whose merged weights it receives."""
-    import lora
+    from rlhf import lora
 
     model, tok = _load(request.getfixturevalue(fixture))
     llm = vllm_rollouts.start_engine(model, tok, _args(), max_model_len=128)

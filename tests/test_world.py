@@ -2,8 +2,8 @@
 
 import pytest
 
-import world
-from world import gold_score
+from worlds import world
+from worlds.world import gold_score
 
 POST = "yesterday alice bought the bike at the park . the weather was nice . bob lost a phone near the station today ."
 

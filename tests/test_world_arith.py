@@ -6,8 +6,8 @@ import json
 import pytest
 
 import common
-import world_arith as wa
-from world_arith import arith_lenient, arith_strict
+from worlds import world_arith as wa
+from worlds.world_arith import arith_lenient, arith_strict
 
 
 def test_scratchpad_by_hand():
@@ -131,7 +131,7 @@ def test_offline_dpo_on_the_arithmetic_world(tmp_path, monkeypatch, capsys):
     from conftest import run_main
 
     import dpo
-    import scratch
+    from worlds import scratch
 
     sft = wa.build_world(seed=0, sizes={"sft": 200, "rl": 1, "test": 1, "prefs": 0})["sft"]
     tok = scratch.fit_tokenizer([r["prompt"] + r["completion"] for r in sft], "char")

@@ -8,8 +8,8 @@ import pytest
 from conftest import run_main
 
 import common
-import sandbox
-import world_code as wc
+from rlhf import sandbox
+from worlds import world_code as wc
 
 
 def test_a_task_by_hand():

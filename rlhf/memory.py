@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import lora
-import parallel
-import world
+from rlhf import lora
+from rlhf import parallel
+from worlds import world
 
 
 def tensor_bytes(tensors):

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-import world
-import world_arith
-import world_code
+from worlds import world
+from worlds import world_arith
+from worlds import world_code
 
 # ============================================================================ names
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
@@ -26,6 +26,20 @@ SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in common.optimizer_step a
 
 
 # ============================================================================ errors, seeds, the script
+# files a user may type that moved into worlds/ or rlhf/ (the front-door reorganisation): a path
+# that no longer exists gets one sentence naming the new one
+MOVED = {f"{m}.py": f"worlds/{m}.py" for m in ("world", "world_arith", "world_code", "scratch", "calculator")}
+MOVED.update({f"{m}.py": f"rlhf/{m}.py" for m in (
+    "basics", "checkpoints", "data", "lora", "memory", "parallel", "policies", "reports", "reward_contract",
+    "sampling", "sandbox", "tools", "tracking", "vllm_rollouts")})
+
+
+def moved(path):
+    """' (it moved to NEW)' where `path` is a file that moved out of the root, else ''."""
+    new = MOVED.get(os.path.normpath(path))
+    return f" (it moved to {new})" if new and os.path.isfile(new) else ""
+
+
 def fail(message):
     """Stop the run with a message a person can act on (no traceback for user errors)."""
     sys.exit(f"error: {message}")

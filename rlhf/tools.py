@@ -40,11 +40,11 @@ import re
 
 import torch
 
-import basics
-import data
-import parallel
-import sampling
-import sandbox
+from rlhf import basics
+from rlhf import data
+from rlhf import parallel
+from rlhf import sampling
+from rlhf import sandbox
 
 TIMEOUT = 5.0  # wall-clock seconds per call (the sandbox's limit for a completion's code)
 
@@ -72,7 +72,7 @@ def load_tools(spec):
         if not path.endswith(".py") or not name:
             basics.fail(f"--tools {item!r}: expected file.py:function.")
         if not os.path.isfile(path):
-            basics.fail(f"--tools {item!r}: file {path} does not exist.")
+            basics.fail(f"--tools {item!r}: file {path} does not exist{basics.moved(path)}.")
         module_spec = importlib.util.spec_from_file_location(f"tool_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""The arithmetic world's calculator tool (`grpo.py --dataset embedded:arith_tools --tools calculator.py:add`).
+"""The arithmetic world's calculator tool (`grpo.py --dataset embedded:arith_tools --tools worlds/calculator.py:add`).
 
 A tool file as tools.py runs it: a function with type hints and a Google-style docstring (its JSON
 schema comes from them), the standard library only, no state. Every call runs this file again in

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-import basics
+from rlhf import basics
 
 
 def load_data(spec, split="train"):

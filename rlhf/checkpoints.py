@@ -12,9 +12,9 @@ import shutil
 
 import torch
 
-import basics
-import lora
-import parallel
+from rlhf import basics
+from rlhf import lora
+from rlhf import parallel
 
 
 _LOCK = None  # the open <output_dir>/.lock of this process, held until the run ends (finish_run) or exits

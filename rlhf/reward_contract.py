@@ -14,10 +14,10 @@ import types
 
 import torch
 
-import sandbox
-import world
-import world_arith
-from basics import fail, script_name
+from rlhf import sandbox
+from worlds import world
+from worlds import world_arith
+from rlhf.basics import fail, moved, script_name
 
 
 def load_reward_fn(spec):
@@ -35,7 +35,7 @@ def load_reward_fn(spec):
     if not path or not name:
         fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS])}).")
     if not os.path.isfile(path):
-        fail(f"--reward_fn {spec!r}: file {path} does not exist.")
+        fail(f"--reward_fn {spec!r}: file {path} does not exist{moved(path)}.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:  # the file is executed, as `python file.py` would: only pass files you trust

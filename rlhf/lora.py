@@ -9,7 +9,7 @@ import json
 import os
 import warnings
 
-import basics
+from rlhf import basics
 
 
 def adapter_base(name):

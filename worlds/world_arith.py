@@ -61,7 +61,7 @@ SLIP_PROB = 0.2  # chance that a demonstration has one column off by one
 SPLIT_SIZES = {"sft": 5000, "rl": 2000, "test": 400, "prefs": 2000}  # level 1 has 90 x 90 = 8100 problems in all
 PREFS_DRAWS = 20  # prefs: demonstrations drawn per problem, at most, to find one right and one wrong
 TOOLS_SPEC = "embedded:arith_tools"  # --dataset value of the world with a calculator tool (level 1)
-TOOL_FILE = "calculator.py"  # its tool: --tools calculator.py:add
+TOOL_FILE = "worlds/calculator.py"  # its tool: --tools worlds/calculator.py:add
 LIST_PROB = 0.5  # chance that an SFT prompt lists the tool
 CALL_PROB = 0.3  # chance that the demonstrator calls it on a prompt that lists it
 # the world's chat template (transformers renders it with trim_blocks and lstrip_blocks): the tools'
@@ -299,7 +299,7 @@ def tool_schemas():
     """The `tools` column's value: the calculator's JSON schema, as tools.load_tools and TRL build it."""
     from transformers.utils import get_json_schema
 
-    import calculator
+    from worlds import calculator
 
     return [get_json_schema(calculator.add)]
 

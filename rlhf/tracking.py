@@ -9,10 +9,10 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-import basics
-import checkpoints
-import data
-import parallel
+from rlhf import basics
+from rlhf import checkpoints
+from rlhf import data
+from rlhf import parallel
 
 
 class MetricsLogger:

@@ -13,12 +13,12 @@ import json
 import os
 import re
 
-import checkpoints
+from rlhf import checkpoints
 import common
-import data
-import lora
-import sampling
-import vllm_rollouts
+from rlhf import data
+from rlhf import lora
+from rlhf import sampling
+from rlhf import vllm_rollouts
 
 REFERENCE = "reference"  # name of the dataset's references when they take part in comparisons
 

@@ -17,9 +17,9 @@ import inspect
 
 import torch
 
-import basics
-import data
-import parallel
+from rlhf import basics
+from rlhf import data
+from rlhf import parallel
 
 
 # ============================================================================ stop tokens

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import basics
+from rlhf import basics
 
 
 def init_distributed():

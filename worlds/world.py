@@ -29,8 +29,8 @@ import random
 import re
 
 
-import scratch
-from scratch import build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
+from worlds import scratch
+from worlds.scratch import build_model  # noqa: F401 (world.build_model: the tiny Qwen2, for any tokenizer)
 
 # ---------------------------------------------------------------- lexicon
 PEOPLE = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar".split()

@@ -36,10 +36,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import torch
 
-import basics
-import data
-import parallel
-import sampling
+from rlhf import basics
+from rlhf import data
+from rlhf import parallel
+from rlhf import sampling
 
 
 # ============================================================================ engine
