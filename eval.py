@@ -215,6 +215,26 @@ def mean_cis(values, prompt_counts, run_counts, all_runs):
     return mean, float(lo), float(hi), float(seed_lo), float(seed_hi)
 
 
+def nan_mean_cis(values, prompt_counts, run_counts, all_runs):
+    """mean_cis of values (R_1, .., R_k, n) with NaN (a reward function that returned None) left
+    out: each replicate is the ratio of the resampled totals of the values and of the rows that
+    have one, which is mean_cis itself when no value is NaN; a replicate that drew no value is
+    left out of the interval."""
+    has = ~np.isnan(values)
+    if not has.any():
+        return (float("nan"),) * 5
+    v = np.where(has, values, 0.0)
+
+    def replicates(counts):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = resampled_totals(v, prompt_counts, counts) / resampled_totals(has.astype(float), prompt_counts, counts)
+        return boot[np.isfinite(boot)]
+
+    lo, hi = percentile_ci(replicates(all_runs))
+    seed_lo, seed_hi = percentile_ci(replicates(run_counts))
+    return float(v.sum() / has.sum()), float(lo), float(hi), float(seed_lo), float(seed_hi)
+
+
 def pass_at_k(n, c, k):
     """Unbiased pass@k of one prompt from n samples with c correct (Chen et al. 2021, Eq. 1):
     1 - C(n - c, k) / C(n, k), as a running product (no huge binomials)."""
@@ -424,17 +444,27 @@ def judge_scores(kind, arg, responses, raw_prompts, columns, args, completion_id
     they get in training (sampling.reward_completions): reward functions TRL's form of the text
     and TRL's keywords (their weighted sum over those that do not return None; a completion none
     applies to stops the run), a reward model reward.py's rendering of it through its own chat
-    template. `completion_ids`: {name: token id lists}; rows in groups of `group_size` (pass@k)."""
+    template. `completion_ids`: {name: token id lists}; rows in groups of `group_size` (pass@k).
+    Returns (scores, per-function scores {name: (n, K)}, NaN where a function returned None; None
+    for a reward model)."""
     completions = {name: sampling.reward_completions(raw_prompts, texts) for name, texts in responses.items()}
     if kind == "gold":
         fns, weights = common.load_reward_fns(args.reward_fn, args.reward_weights)
         ids = completion_ids or {}
-        return {name: common.weighted_rewards(common.call_reward_fns(fns, raw_prompts, c, ids.get(name), columns, group_size),
-                                              weights).double().numpy()
-                for name, c in completions.items()}
+        per_fn = {name: common.call_reward_fns(fns, raw_prompts, c, ids.get(name), columns, group_size)
+                  for name, c in completions.items()}  # (n, K) each
+        return ({name: common.weighted_rewards(s, weights).double().numpy() for name, s in per_fn.items()},
+                {name: s.double().numpy() for name, s in per_fn.items()})
     model, tokenizer = common.load_reward_model(arg, args)
     return {name: sampling.score_texts(model, tokenizer, raw_prompts, c, args.eval_batch_size).double().numpy()
-            for name, c in completions.items()}
+            for name, c in completions.items()}, None
+
+
+def reward_fn_names(args):
+    """The --reward_fn functions' names, as the reports' columns name them (numbered where two are equal)."""
+    fns, _ = common.load_reward_fns(args.reward_fn, args.reward_weights)
+    names = [getattr(fn, "__name__", str(fn)) for fn in fns]
+    return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 # ============================================================================ main
@@ -526,9 +556,9 @@ def main():
     run_pairs = [(ra, rb) for a, b in pairs for ra in runs[a] for rb in runs[b]]
 
     # ---- judge: per-prompt outcome of run a against run b (1 win, 0.5 tie, 0 loss)
-    scores, outcomes, extra = None, {}, {}
+    scores, fn_scores, outcomes, extra = None, None, {}, {}
     if kind in ("gold", "rm"):
-        scores = judge_scores(kind, judge_arg, responses, raw_prompts, columns, args, completion_ids)
+        scores, fn_scores = judge_scores(kind, judge_arg, responses, raw_prompts, columns, args, completion_ids)
         for a, b in run_pairs:
             outcomes[a, b] = outcomes_from_scores(scores[a], scores[b])
             extra[a, b] = [{"score_a": float(x), "score_b": float(y)} for x, y in zip(scores[a], scores[b])]
@@ -549,6 +579,12 @@ def main():
         outcomes[a, b] = np.where(same, 0.5, outcomes[a, b])
     # a method pair's outcomes: (R_a, R_b, n)
     method_outcomes = {(a, b): np.array([[outcomes[ra, rb] for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
+    # several reward functions: each one's outcomes too, judged as the weighted sum is (higher wins; a
+    # function that returned None for either response: a tie), reported beside the sum
+    fn_names = reward_fn_names(args) if fn_scores and next(iter(fn_scores.values())).shape[1] > 1 else []
+    fn_outcomes = {f: {(a, b): np.array([[np.nan_to_num(outcomes_from_scores(fn_scores[ra][:, j], fn_scores[rb][:, j]), nan=0.5)
+                                          for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
+                   for j, f in enumerate(fn_names)}  # {function: {(a, b): (R_a, R_b, n)}}
     # a reward function whose every score is 0 or 1 is a verifier: its mean score is an accuracy
     verifier = kind == "gold" and args.reward_fn != "gold" and all(is_binary(v) for v in scores.values())
 
@@ -566,7 +602,7 @@ def main():
                 texts, _, ids = policies.generate_responses(path, run, sample_prompts, dataclasses.replace(args, do_sample=True))
                 # scored as the greedy responses are: TRL's form (an assistant message after a conversation)
                 sample_scores = judge_scores(kind, None, {run: texts}, sample_prompts, sample_columns, args, {run: ids},
-                                             args.num_samples)[run]
+                                             args.num_samples)[0][run]
                 if not is_binary(sample_scores):
                     common.fail(f"--reward_fn {args.reward_fn} gave a sampled completion a score other than 0 or 1; "
                                 "pass@k needs a verifier.")
@@ -579,6 +615,10 @@ def main():
     pairwise = [{"policy_a": a, "policy_b": b, **win_rate_stats(method_outcomes[a, b], prompt_counts,
                                                                 [level[a][0], level[b][0]], [level[a][1], level[b][1]])}
                 for a, b in pairs]
+    for row, (a, b) in zip(pairwise, pairs):  # each reward function's win rate, on the same resamples
+        if fn_names:
+            row["rewards"] = {f: win_rate_stats(fn_outcomes[f][a, b], prompt_counts, [level[a][0], level[b][0]],
+                                                [level[a][1], level[b][1]]) for f in fn_names}
     k = len(names)
     if k > 1:
         # Bradley-Terry on the methods' win matrix: n games per pair, each the mean over run pairs
@@ -604,6 +644,11 @@ def main():
             values = np.array([scores[r] for r in runs[name]])  # (R, n)
             (row["score"], row["score_ci_low"], row["score_ci_high"], row["score_seed_ci_low"],
              row["score_seed_ci_high"]) = mean_cis(values, prompt_counts, [level[name][0]], [level[name][1]])
+        if fn_names:  # each reward function's mean over the completions it applies to (not None)
+            values = np.array([fn_scores[r] for r in runs[name]])  # (R, n, K)
+            row["rewards"] = {f: dict(zip(("score", "score_ci_low", "score_ci_high", "score_seed_ci_low", "score_seed_ci_high"),
+                                          nan_mean_cis(values[..., j], prompt_counts, [level[name][0]], [level[name][1]])))
+                              for j, f in enumerate(fn_names)}
         if not verifier:  # a length confound of win rates; nothing to say about an exact check
             row["mean_length"] = float(np.mean([len(t.split()) for r in runs[name] for t in responses[r]]))  # words
         if all(r in correct for r in runs[name]):
@@ -618,7 +663,7 @@ def main():
 
     results = {
         "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
-                     "reward_fn": args.reward_fn, "reward_weights": args.reward_weights, "dataset": data.dataset_name(args.dataset),
+                     "reward_fn": args.reward_fn, "reward_weights": args.reward_weights, "reward_fns": fn_names, "dataset": data.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
                      **policies.generation_settings(args), "num_samples": args.num_samples, "pass_k": ks, "group_by": args.group_by},
         "pairwise": pairwise,
@@ -661,7 +706,14 @@ def main():
                    xlim=(-0.03, 1.03))
     reports.plot_intervals(os.path.join(out, "elo.png"), names, elo, elo_seed_lo, elo_seed_hi,
                    f"Bradley-Terry Elo (95% CI, {ci}), {names[0]} = 1000", 1000, f"Elo, judge {results['settings']['judge_name']}")
-    print(f"eval: saved results.json, results.md, judgments.jsonl, generations.jsonl, win_rates.png, elo.png to {out}\n")
+    if fn_names:  # each reward function's win rates, pair by pair
+        rows = [(f"{r['policy_a']} vs {r['policy_b']}: {f}", r["rewards"][f]) for r in pairwise for f in fn_names]
+        reports.plot_intervals(os.path.join(out, "reward_win_rates.png"), [label for label, _ in rows],
+                               [w["win_rate"] for _, w in rows], [w["seed_ci_low"] for _, w in rows],
+                               [w["seed_ci_high"] for _, w in rows], f"win rate of the first over the second (95% CI, {ci})",
+                               0.5, "Pairwise win rates per reward function", xlim=(-0.03, 1.03))
+    print(f"eval: saved results.json, results.md, judgments.jsonl, generations.jsonl, win_rates.png, elo.png"
+          f"{', reward_win_rates.png' if fn_names else ''} to {out}\n")
     print(report)
 
 

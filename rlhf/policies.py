@@ -126,26 +126,58 @@ def generation_settings(args):
             **({"use_vllm": True, "vllm_dtype": args.vllm_dtype} if args.use_vllm else {})}  # vLLM draws other samples
 
 
+def policy_key(path, args):
+    """What identifies a policy's generations besides the prompts: its path, its weights' content
+    and every generation setting."""
+    return [os.path.abspath(path) if os.path.isdir(path) else path, weights_fingerprint(path), generation_settings(args)]
+
+
 def cache_file(path, prompts, args):
-    key = json.dumps([os.path.abspath(path) if os.path.isdir(path) else path, weights_fingerprint(path),
-                      prompts, generation_settings(args)])
+    where, weights, settings = policy_key(path, args)
+    key = json.dumps([where, weights, prompts, settings])  # as before the subset lookup: old caches still match
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    readable = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.normpath(path)))
-    return os.path.join(args.cache_dir, f"{readable}-{digest}.json")
+    return os.path.join(args.cache_dir, f"{readable_name(path)}-{digest}.json")
+
+
+def readable_name(path):
+    return re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.normpath(path)))
+
+
+def cached_generations(path, prompts, args):
+    """(responses, truncated, completion_ids) from the cache, or None: the file of exactly these
+    prompts, else any file of this policy and these settings whose prompts include every one asked
+    for (--num_prompts 10 after a run on 30 reuses the first 10; with --do_sample, the samples drawn
+    then, which another number of prompts would have drawn differently: every one is still a sample
+    of this policy at these settings)."""
+    exact = cache_file(path, prompts, args)
+    key = json.loads(json.dumps(policy_key(path, args)))  # as a file stores it (tuples become lists)
+    candidates = [exact] + sorted(glob.glob(os.path.join(glob.escape(args.cache_dir), f"{readable_name(path)}-*.json")))
+    for file in candidates:
+        if not os.path.isfile(file):
+            continue
+        with open(file) as f:
+            out = json.load(f)
+        if "completion_ids" not in out:  # a cache from before completion_ids were kept is generated again
+            continue
+        if file != exact and (out.get("key") != key or not set(prompts) <= set(out.get("prompts", []))):
+            continue
+        if file == exact:
+            return file, out["responses"], out["truncated"], out["completion_ids"]
+        row = {p: i for i, p in enumerate(out["prompts"])}  # a prompt's row in the cached set
+        return file, *([out[k][row[p]] for p in prompts] for k in ("responses", "truncated", "completion_ids"))
+    return None
 
 
 def generate_responses(path, name, raw_prompts, args):
-    """The policy's responses to every prompt (from the cache when this exact run was done)."""
+    """The policy's responses to every prompt (from the cache when this run, or one on more
+    prompts, was done)."""
     tokenizer = common.load_tokenizer(path, args.trust_remote_code)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, path, args.dataset)
-    cached = cache_file(path, prompts, args)
-    if os.path.exists(cached):
-        with open(cached) as f:
-            out = json.load(f)
-        if "completion_ids" in out:  # a cache from before completion_ids were kept is generated again
-            print(f"eval: {name}: {len(prompts)} responses from the cache {cached}")
-            return out["responses"], out["truncated"], out["completion_ids"]
+    found = cached_generations(path, prompts, args)
+    if found:
+        print(f"eval: {name}: {len(prompts)} responses from the cache {found[0]}")
+        return found[1:]
     model = common.freeze(common.load_model(path, args))
     common.set_seed(args.seed)  # every policy samples from the same seed
     settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -157,10 +189,11 @@ def generate_responses(path, name, raw_prompts, args):
         vllm_rollouts.shutdown(llm)
     else:
         responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
-                                                                     args.eval_batch_size, **settings)
+                                                                     args.eval_batch_size, desc=f"eval: {name}", **settings)
     del model
     cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
-    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "responses": responses,
-                               "truncated": truncated, "completion_ids": completion_ids})
+    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "key": policy_key(path, args),
+                                    "prompts": prompts, "responses": responses, "truncated": truncated,
+                                    "completion_ids": completion_ids})
     print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
     return responses, truncated, completion_ids

@@ -90,6 +90,22 @@ def markdown_report(results, names, reference):
                   "|---|---|---|" + ("---|" if score_name else "") + "---|"]
         lines += [f"| {run} | {r['method']} | {r['path']} | " + (f"{r['score']:.3f} | " if score_name else "")
                   + f"{r['mean_length']:.1f} |" for run, r in results["runs"].items()]
+    if s.get("reward_fns"):  # several reward functions: each one's score and win rate beside their weighted sum
+        fns = s["reward_fns"]
+        lines += ["", f"Per reward function (its mean over the completions it scores, not None; win rate vs {anchor} by "
+                  "that function alone, ties count half, a None a tie), 95% CIs from the same resamples:", "",
+                  "| policy | " + " | ".join(c for f in fns for c in heading(f) + heading(f"{f}: win rate vs {anchor}")) + " |",
+                  "|" + "---|" * (1 + 2 * len(fns) * (1 + multi))]
+        for name in names + ([reference] if has_reference else []):
+            p = results["reference"] if name == reference else results["policies"][name]
+            row = [name]
+            for f in fns:
+                r = p["rewards"][f]
+                row += two(r["score"], r["score_ci_low"], r["score_ci_high"], r["score_seed_ci_low"], r["score_seed_ci_high"], 3)
+                w = by_pair.get((name, anchor), {}).get("rewards", {}).get(f)
+                row += (two(w["win_rate"], w["ci_low"], w["ci_high"], w["seed_ci_low"], w["seed_ci_high"], star=True) if w
+                        else ["-"] * (1 + multi))
+            lines.append("| " + " | ".join(row) + " |")
     if s["num_samples"]:
         ks = [f"pass@{k}" for k in s["pass_k"]]
         lines += ["", (f"pass@k: {s['num_samples']} samples per prompt at temperature {s['temperature']} (top_p {s['top_p']}, "

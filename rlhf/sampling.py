@@ -14,6 +14,7 @@ architecture's post-head transform). tests/test_architectures.py checks both, pe
 import functools
 import hashlib
 import inspect
+import os
 
 import torch
 
@@ -382,16 +383,23 @@ def decode_completions(tokenizer, completion_ids, completion_mask, truncated):
 
 
 @torch.no_grad()
-def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, **sampling):
+def sample_texts(model, tokenizer, prompts, max_new_tokens, batch_size=64, desc=None, **sampling):
     """Generate for a list of rendered prompt texts; returns (texts, truncated flags, the
-    completions' token ids as completion_id_lists gives them)."""
+    completions' token ids as completion_id_lists gives them). `desc`: show a progress bar of the
+    prompts done, under that name (eval.py's policies)."""
+    from tqdm.auto import tqdm
+
     texts, truncated, id_lists = [], [], []
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", dynamic_ncols=True, leave=False,
+               disable=desc is None or os.environ.get("TQDM_DISABLE") == "1")
     for i in range(0, len(prompts), batch_size):
         ids, mask = data.encode_prompts(tokenizer, prompts[i:i + batch_size])
         c, cm, tr = generate(model, tokenizer, ids.to(model.device), mask.to(model.device), max_new_tokens, **sampling)
         texts += decode_completions(tokenizer, c, cm, tr)
         truncated += tr.tolist()
         id_lists += completion_id_lists(c, cm)
+        bar.update(len(prompts[i:i + batch_size]))
+    bar.close()
     return texts, truncated, id_lists
 
 

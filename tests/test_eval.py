@@ -484,3 +484,55 @@ def test_elo_under_complete_separation_is_reported_unbounded():
     text = reports.markdown_report(results, ["a", "b"], None)
     assert f">= {elo[1]:.0f} (unbounded)" in text and "complete separation" in text
     assert f"{elo[1]:.0f} ({elo[1]:.0f}, {elo[1]:.0f})" not in text
+
+
+# ---------------------------------------------------------------- each reward function, the cache's subsets
+def test_nan_mean_cis_leaves_out_none_and_equals_mean_cis_without_it():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(2, 30))
+    counts, run_counts, ones = ev.bootstrap_plan(30, [2], 300, seed=1)
+    assert ev.nan_mean_cis(values, counts, run_counts, ones) == pytest.approx(ev.mean_cis(values, counts, run_counts, ones))
+    holes = values.copy()
+    holes[:, ::3] = np.nan  # a function that returned None on every third prompt
+    mean, lo, hi, seed_lo, seed_hi = ev.nan_mean_cis(holes, counts, run_counts, ones)
+    assert mean == pytest.approx(np.nanmean(holes)) and lo < mean < hi and seed_lo <= mean <= seed_hi
+
+
+def test_each_reward_function_beside_the_weighted_sum_and_a_cached_subset(tiny_folders, monkeypatch, capsys):
+    """Two --reward_fn: each gets its own score (None left out), CI and win rate beside the weighted
+    sum, in results.json, results.md and reward_win_rates.png; then --num_prompts 10 serves the first
+    10 from the 24-prompt cache instead of generating again."""
+    root = tiny_folders
+    (root / "fns.py").write_text(
+        "def length(completions, **kw):\n    return [float(len(c.split())) for c in completions]\n"
+        "def has_the(completions, **kw):\n    return [1.0 if 'the' in c.split() else None if len(c) % 2 else 0.0 for c in completions]\n")
+    flags = ["--reward_fn", f"{root / 'fns.py'}:length,{root / 'fns.py'}:has_the", "--reward_weights", "1,2",
+             "--num_bootstrap", "200", "--max_completion_length", "12", "--eval_batch_size", "8", "--do_sample",
+             "--cache_dir", root / "cache_fns"]
+    out = root / "fns"
+    run_eval([root / "pi0", root / "pi1", "--output_dir", out, "--num_prompts", "24", *flags], monkeypatch, capsys)
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["reward_fns"] == ["length", "has_the"]
+    gens = read_jsonl(out / "generations.jsonl")
+    for name in ("pi0", "pi1"):
+        texts = [g["responses"][name] for g in gens]
+        length = np.array([len(t.split()) for t in texts], float)
+        the = np.array([1.0 if "the" in t.split() else np.nan if len(t) % 2 else 0.0 for t in texts])
+        p = results["policies"][name]
+        assert p["rewards"]["length"]["score"] == pytest.approx(length.mean())
+        assert p["rewards"]["has_the"]["score"] == pytest.approx(np.nanmean(the))  # None left out
+        assert p["score"] == pytest.approx(np.mean(length + 2 * np.nan_to_num(the)))  # the weighted sum, as before
+        r = p["rewards"]["length"]
+        assert r["score_ci_low"] <= r["score"] <= r["score_ci_high"]
+    (pair,) = [r for r in results["pairwise"] if (r["policy_a"], r["policy_b"]) == ("pi1", "pi0")]
+    a = np.array([len(g["responses"]["pi1"].split()) for g in gens])
+    b = np.array([len(g["responses"]["pi0"].split()) for g in gens])
+    assert pair["rewards"]["length"]["win_rate"] == pytest.approx(np.mean((np.sign(a - b) + 1) / 2))
+    report = (out / "results.md").read_text()
+    assert "has_the: win rate vs pi0 (95% CI)" in report and "| length (95% CI) |" in report
+    assert (out / "reward_win_rates.png").stat().st_size > 1000
+
+    stdout = run_eval([root / "pi0", root / "pi1", "--output_dir", root / "fns10", "--num_prompts", "10", *flags],
+                      monkeypatch, capsys)
+    assert stdout.count("responses from the cache") == 2 and "generated" not in stdout
+    assert read_jsonl(root / "fns10" / "generations.jsonl") == gens[:10]
