@@ -38,7 +38,9 @@ Judges (--judge):
   needs the `post` column, as in the embedded test split), or --reward_fn arith_strict /
   arith_lenient (the arithmetic world's verifiers) or file.py:fn, called as TRL calls reward
   functions (common.call_reward_fns), greedy and pass@k alike; several (comma-separated) are
-  summed with --reward_weights, as in grpo.py. Reports name the judge after the function(s);
+  summed with --reward_weights, as in grpo.py, and each is also reported on its own beside the
+  sum (its mean over the completions it scores, its CI and its win rates: reward_win_rates.png).
+  Reports name the judge after the function(s);
 - `rm:PATH`: a reward model saved by reward.py, higher wins;
 - `llm:MODEL`: a local causal LM asked which of two responses is better. It is asked in both
   orders and P("A") vs P("B") is read from its next-token logits; averaging the two orders
@@ -61,7 +63,8 @@ Departures and choices:
   --seed changes the sampling and the bootstrap, never the prompts;
 - generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
   and a SHA-256 of its weight files' content), the rendered prompts and the generation settings,
-  so a re-run with another judge does not generate again (policies.py: the methods, their runs'
+  so a re-run with another judge does not generate again, nor one on fewer of the same prompts
+  (--num_prompts 10 after 30 reuses those 10 responses) (policies.py: the methods, their runs'
   names, and the cache).
 
 Run:
