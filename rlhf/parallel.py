@@ -44,7 +44,9 @@ def is_dtensor(t):
 
 
 def is_main():
-    return rank() == 0
+    """Rank 0, also before the process group exists (torchrun's RANK): the lines printed while the
+    arguments are parsed appear once, not once per rank."""
+    return (rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
 
 
 def barrier():

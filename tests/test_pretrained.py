@@ -40,3 +40,25 @@ def test_text_the_tokenizer_cannot_read_is_refused():
     data.check_readable(tok, ["POST: alice bought the bike .\nTL;DR:"], "runs/sft", "embedded")  # its own words
     with pytest.raises(SystemExit, match="unknown or single letters to the tokenizer of runs/sft .*--model is probably missing"):
         data.check_readable(tok, ["What is 10 plus 4? ", "What is 3 plus 5? "], "runs/sft", "math.jsonl")
+
+
+def test_optim_default_follows_the_device_and_lines_print_on_rank_0_only(monkeypatch, capsys, tmp_path):
+    """--optim auto: torch AdamW on a CPU, the 8-bit one on CUDA (not under FSDP2), said in one line;
+    an explicit --optim wins; under torchrun only rank 0 prints the startup lines."""
+    import torch
+
+    def parse(*argv):
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--output_dir", str(tmp_path / "o"), *argv])
+        return common.apply_defaults(common.parse_args(grpo.Args), grpo.EMBEDDED_DEFAULTS)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert parse().optim == "adamw"
+    assert "grpo: --optim adamw (torch AdamW: no CUDA, where 8-bit only costs time; pass --optim to choose)" in capsys.readouterr().out
+    assert parse("--optim", "adamw_8bit").optim == "adamw_8bit" and "--optim" not in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse().optim == "adamw_8bit" and parse("--parallel", "fsdp2").optim == "adamw"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "1")  # torchrun's second process, before the process group exists
+    capsys.readouterr()
+    assert parse().optim == "adamw" and capsys.readouterr().out == ""
