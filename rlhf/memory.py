@@ -348,8 +348,9 @@ def memory_table(rows, title):
 
 def print_plan(args, **holds):
     """--estimate_memory: print estimate_memory(args, **holds) as a table and exit. The plan is for
-    the CUDA GPU the run will train on, so --dtype auto plans in bf16 (auto's choice there) even
-    on a machine without one, where a run would load fp32; the printout says so."""
+    the CUDA GPU the run will train on, so --dtype auto plans in bf16 and --optim auto 8-bit AdamW
+    (auto's choices there) even on a machine without one, where a run would load fp32 and torch's
+    AdamW; the printout says so."""
     note = ""
     if args.dtype == "auto":
         args = copy.copy(args)
@@ -357,6 +358,10 @@ def print_plan(args, **holds):
         if not torch.cuda.is_available():
             note = ("--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
                     "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.\n")
+    if not common.passed("optim") and args.parallel != "fsdp2" and args.optim != "adamw_8bit":
+        args = copy.copy(args)  # --optim auto on a machine without CUDA: plan the GPU's 8-bit AdamW too
+        args.optim = "adamw_8bit"
+        note += "--optim auto planned 8-bit AdamW, what it takes on a CUDA GPU; pass --optim adamw to plan torch's.\n"
     dtype = common.torch_dtype(args.dtype)
     script = os.path.basename(sys.argv[0])
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "

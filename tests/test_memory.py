@@ -198,3 +198,18 @@ def test_estimate_memory_with_use_vllm_shows_the_engine(qwen15_config, monkeypat
     assert vrows["activations"] <= rows["activations"] and "generation: KV cache" not in engine  # the engine's now
     assert {k: v for k, v in vrows.items() if k not in ("vLLM engine", "activations", "total")} == \
            {k: v for k, v in rows.items() if k not in ("activations", "total")}
+
+
+def test_estimate_memory_with_optim_auto_plans_the_gpus_8bit_adamw(qwen15_config, monkeypatch, capsys):
+    """--optim auto resolves to torch AdamW on a CPU, but the plan is for the GPU: 8-bit states, said."""
+    from conftest import run_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = {}
+    for optim in ([], ["--optim", "adamw"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            run_main(sft, ["--model", qwen15_config, "--batch_size", "2", "--estimate_memory", *optim], monkeypatch)
+        out[bool(optim)] = capsys.readouterr().out
+    assert "--optim adamw_8bit" in out[False] and "--optim auto planned 8-bit AdamW" in out[False]
+    assert "--optim adamw," in out[True] and "--optim auto planned" not in out[True]
