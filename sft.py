@@ -17,6 +17,14 @@ Departures from the paper and from TRL:
   as grpo.py --tools renders its prompts; None in a row: no tools listed. On embedded:arith_tools
   the from-scratch tokenizer gets the world's chat template (world_arith.CHAT_TEMPLATE) and is
   fitted to the conversations as it renders them, so it holds every character the template writes.
+- --max_length cuts each whole example (prompt and completion, or a whole conversation) at its
+  end, as TRL's max_length, instead of the prompt/completion split of --max_prompt_length and
+  --max_completion_length; --packing then fills rows of --max_length tokens with several examples
+  (best-fit decreasing, TRL's default strategy), the position ids restarting with each example:
+  transformers reads the examples' bounds from them (no attention across examples), so the loss
+  is that of the same examples unpacked (tests/test_sft.py), with less padding to compute.
+  --num_train_epochs (every script's) is the alternative to --max_steps; with --packing it counts
+  passes over the packed rows, which hold every example once.
 - Log-probs come from sampling.completion_logprobs: the LM head runs on completion positions only,
   in checkpointed chunks, so no (batch, seq, vocab) fp32 tensor is ever built.
 
@@ -25,6 +33,7 @@ Run:
     python sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --output_dir runs/sft_arith
     python sft.py --dataset embedded:arith_tools --hidden_size 128 --num_layers 4 --output_dir runs/sft_arith_tools
     python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara
+    python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara --max_length 1024 --packing --num_train_epochs 1
 """
 
 from dataclasses import dataclass, field
@@ -54,6 +63,8 @@ class Args(TrainArgs):
     model: str = field(default="", metadata={"help": "Hub id or folder; empty: a tiny Qwen2 trained from scratch on --dataset (scratch.py)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Completions are cut to their first this-many tokens (EOS included)."})
+    max_length: int = field(default=0, metadata={"help": "Tokens of a whole example (prompt and completion, or a whole conversation), cut at its end, as TRL's max_length (0: --max_prompt_length and --max_completion_length cut the two apart)."})
+    packing: bool = field(default=False, metadata={"help": "Pack several examples into each row of --max_length tokens (TRL's packing, best-fit decreasing), position ids restarting with each example so that none attends to another: the loss of unpacked rows, less padding. --batch_size then counts packed rows."})
     hidden_size: int = field(default=192, metadata={"help": "From-scratch model only (any --dataset): hidden size of the tiny Qwen2."})
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
     scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own byte-level tokenizer on 'embedded' (world.build_tokenizer), char on embedded:arith and embedded:code, word on other datasets."})
@@ -88,6 +99,15 @@ def evaluate(model, tokenizer, pairs, args, stop_ids):
     total, count = 0.0, 0
     for i in range(0, len(pairs), args.eval_batch_size):
         chunk = pairs[i:i + args.eval_batch_size]
+        if args.max_length:  # whole examples cut at --max_length, one per row, as training's
+            ids, masks, _ = data.encode_examples(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in chunk],
+                                                 [data.render_turns(tokenizer, p, c) for p, c in chunk], args.max_length, stop_ids)
+            input_ids, position_ids, _, loss_mask = data.packed_batch([[j] for j in range(len(chunk))], ids, masks,
+                                                                      tokenizer.pad_token_id)
+            logprobs = sampling.packed_logprobs(model, input_ids.to(device), position_ids.to(device), loss_mask.to(device))
+            total -= float((logprobs * loss_mask.to(device)).sum())
+            count += int(loss_mask.sum())
+            continue
         prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in chunk],
                                                         args.max_prompt_length)
         completion_ids, completion_mask, loss_mask = data.encode_turns(
@@ -103,9 +123,14 @@ def evaluate(model, tokenizer, pairs, args, stop_ids):
 def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
+    if args.packing and not args.max_length:
+        common.fail("--packing fills rows of --max_length tokens: add --max_length (e.g. 1024, TRL's default).")
+    if args.max_length and (common.passed("max_prompt_length") or common.passed("max_completion_length")):
+        common.fail("--max_length cuts whole examples: drop --max_prompt_length / --max_completion_length (they cut "
+                    "prompt and completion apart, without --max_length).")
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
-        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
-                          completion_length=args.max_completion_length)
+        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=0 if args.max_length else args.max_prompt_length,
+                          completion_length=args.max_length or args.max_completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()
@@ -154,19 +179,35 @@ def main():
     data.check_readable(tokenizer, [p + c for p, c in zip(prompts, completions)], args.model, args.dataset)
     eval_ds = data.eval_data(args)
     eval_pairs = data.sft_pairs(eval_ds, args.eval_dataset) if eval_ds is not None else None
-    data.set_max_steps(args, len(pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+    # --max_length: whole examples as token lists (cut at max_length), in rows of one, or packed
+    rows = None
+    if args.max_length:
+        example_ids, example_masks, cut = data.encode_examples(tokenizer, prompts, turns, args.max_length, stop_ids)
+        lengths = [len(ids) for ids in example_ids]
+        rows = data.pack(lengths, args.max_length) if args.packing else [[i] for i in range(len(pairs))]
+        truncated = {"examples_truncated": cut}
+        if args.packing:
+            print(f"{script}: --packing: {len(pairs)} examples in {len(rows)} rows of --max_length {args.max_length} "
+                  f"({sum(lengths) / (len(rows) * args.max_length):.0%} of their tokens filled)")
+    data.set_max_steps(args, len(rows or pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
     print(f"{script}: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
     # out-of-range inputs are counted up front: long texts are cut (prompts keep their end)
-    truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
-                 "completions_truncated": data.count_truncated(tokenizer, turns, args.max_completion_length, stop_ids)}
-    if any(truncated.values()):
+    if args.max_length and truncated["examples_truncated"]:
+        print(f"{script}: {truncated['examples_truncated']} examples longer than --max_length {args.max_length} are cut "
+              "(their end, EOS included, is not learned)")
+    if not args.max_length:
+        truncated = {"prompts_truncated": data.count_truncated(tokenizer, prompts, args.max_prompt_length),
+                     "completions_truncated": data.count_truncated(tokenizer, turns, args.max_completion_length, stop_ids)}
+    if not args.max_length and any(truncated.values()):
         print(f"{script}: {truncated['prompts_truncated']} prompts longer than --max_prompt_length {args.max_prompt_length} "
               f"keep their last tokens; {truncated['completions_truncated']} completions longer than "
               f"--max_completion_length {args.max_completion_length} are cut (their EOS is not learned)")
     global_batch = args.batch_size * parallel.world_size()
-    if len(pairs) < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
-        print(f"{script}: note: {len(pairs)} examples are fewer than one batch of {global_batch}; batches repeat examples")
+    num_rows = len(rows or pairs)  # what a batch draws: examples, or packed rows of them
+    if num_rows < global_batch:  # allowed: batch_indices cycles, so a batch repeats examples
+        print(f"{script}: note: {num_rows} {'rows' if rows else 'examples'} are fewer than one batch of {global_batch}; "
+              "batches repeat them")
 
     init = {}
     if args.dataset == common.EMBEDDED and from_scratch:  # the floor the policy must rise from
@@ -186,22 +227,32 @@ def main():
         batches = []
         for micro in range(args.gradient_accumulation_steps):
             # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = parallel.shard(data.batch_indices(len(pairs), global_batch, args.seed,
+            idx = parallel.shard(data.batch_indices(num_rows, global_batch, args.seed,
                                                     step * args.gradient_accumulation_steps + micro))
+            if rows:  # whole examples, one or several per row: (B, T) ids, position ids, loss mask
+                batches.append([t.to(device) for t in data.packed_batch([rows[i] for i in idx], example_ids, example_masks,
+                                                                         tokenizer.pad_token_id)])
+                continue
             prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
             completion_ids, completion_mask, loss_mask = data.encode_turns(
                 tokenizer, [turns[i] for i in idx], args.max_completion_length, stop_ids)
             batches.append([t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask)])
         # one token mean over the optimizer batch (every micro-batch, every rank; see sft_loss)
-        rank_tokens = parallel.all_reduce(sum(b[4].sum() for b in batches).float())
+        rank_tokens = parallel.all_reduce(sum(b[-1].sum() for b in batches).float())
         losses, n_tokens = [], 0
-        for prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask in batches:
-            logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+        for batch in batches:
+            if rows:
+                input_ids, position_ids, real, loss_mask = batch
+                logprobs = sampling.packed_logprobs(model, input_ids, position_ids, loss_mask)  # (B, T)
+                n_tokens += int(real.sum())  # this rank's input tokens (TRL's num_tokens)
+            else:
+                prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask = batch
+                logprobs = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C)
+                n_tokens += int(prompt_mask.sum() + completion_mask.sum())  # this rank's input tokens (TRL's num_tokens)
             loss = sft_loss(logprobs, loss_mask, rank_tokens)  # this micro-batch's part of the step's loss
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             loss.backward()
             losses.append(loss.detach())
-            n_tokens += int(prompt_mask.sum() + completion_mask.sum())  # this rank's input tokens (TRL's num_tokens)
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
         scheduler.step()

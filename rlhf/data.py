@@ -391,6 +391,54 @@ def encode_turns(tokenizer, turns, max_length=None, stop_ids=None):
     return ids, mask, _pad(trained, 0, left=False)[0] * mask
 
 
+def encode_examples(tokenizer, prompts, turns, max_length, stop_ids=None):
+    """sft.py --max_length: each example as one token list, the prompt's tokens as encode_prompts
+    writes them, then the completion's as encode_turns writes them, and its loss mask (0 on the
+    prompt), both cut to the first max_length tokens (TRL's max_length: the whole conversation,
+    with no prompt/completion split). Returns ([ids], [loss mask]) as lists and how many were cut."""
+    ids, masks, cut = [], [], 0
+    for i in range(0, len(prompts), 1024):  # the padded tensors of 1024 examples at a time
+        p_ids, p_mask = encode_prompts(tokenizer, prompts[i:i + 1024])
+        c_ids, c_mask, loss_mask = encode_turns(tokenizer, turns[i:i + 1024], None, stop_ids)
+        for j in range(p_ids.shape[0]):
+            prompt, completion = p_ids[j][p_mask[j].bool()].tolist(), c_ids[j][c_mask[j].bool()].tolist()
+            ids.append((prompt + completion)[:max_length])
+            masks.append(([0] * len(prompt) + loss_mask[j][c_mask[j].bool()].tolist())[:max_length])
+            cut += len(prompt) + len(completion) > max_length
+    return ids, masks, cut
+
+
+def pack(lengths, max_length):
+    """Examples into rows of at most max_length tokens, best-fit decreasing (TRL's packing_strategy
+    'bfd'): the longest first, each into the fullest row it still fits, else a new row. Returns
+    [[example indices]] per row; no example is split."""
+    import bisect
+
+    rows, free = [], []  # free: sorted (tokens left, row) of the open rows
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = bisect.bisect_left(free, (lengths[i], -1))  # the row with the fewest tokens left that still fits
+        if k == len(free):
+            rows.append([])
+            left, row = max_length, len(rows) - 1
+        else:
+            left, row = free.pop(k)
+        rows[row].append(i)
+        bisect.insort(free, (left - lengths[i], row))
+    return rows
+
+
+def packed_batch(rows, ids, masks, pad_id):
+    """Rows of packed examples as right-padded tensors: input ids, position ids that restart at 0
+    with each example (and with the padding), the mask of real tokens and the loss mask (0 on
+    padding): (B, T) each."""
+    seqs = [[t for i in row for t in ids[i]] for row in rows]
+    positions = [[p for i in row for p in range(len(ids[i]))] for row in rows]
+    trained = [[m for i in row for m in masks[i]] for row in rows]
+    input_ids, real = _pad(seqs, pad_id, left=False)
+    position_ids = torch.tensor([p + list(range(input_ids.shape[1] - len(p))) for p in positions])
+    return input_ids, position_ids, real, _pad(trained, 0, left=False)[0] * real * (position_ids > 0)  # position 0: unpredicted
+
+
 def _ends_with_stop(tokenizer, ids, stops):
     """Whether `ids` end with a stop token, possibly followed by whitespace tokens."""
     for k in range(len(ids) - 1, -1, -1):

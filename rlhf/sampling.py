@@ -184,8 +184,26 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """
     states = completion_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, 1+C, H)
     hidden = states[:, :-1]  # (B, C, H): the state before each completion token
-    keep = completion_mask.bool()
-    h, labels = hidden[keep], completion_ids[keep]  # (N, H), (N,): real tokens only
+    return token_logprobs(model, hidden, completion_ids, completion_mask.bool(), temperature, with_entropy, chunk_tokens)
+
+
+def packed_logprobs(model, input_ids, position_ids, loss_mask):
+    """Per-token log pi(x_t | x_<t) of rows that hold several examples each (sft.py --packing), 0
+    where loss_mask is 0: (B, T). `position_ids` restart at 0 with each example; with no
+    attention mask, transformers reads the examples' bounds from them (a block-diagonal causal
+    mask under sdpa and eager, varlen kernels under flash_attention_2), so no token attends to
+    another example's. Padding is an example of its own with a loss mask of 0."""
+    hidden = backbone(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (B, T, H)
+    keep = loss_mask[:, 1:].bool()  # (B, T-1): data.packed_batch's loss mask is 0 at each example's first token
+    logprobs = token_logprobs(model, hidden[:, :-1], input_ids[:, 1:], keep)  # (B, T-1)
+    return torch.cat([torch.zeros_like(logprobs[:, :1]), logprobs], 1)  # (B, T): column t is token t's
+
+
+def token_logprobs(model, hidden, labels, keep, temperature=1.0, with_entropy=False, chunk_tokens=None):
+    """log pi(label | hidden state before it) where `keep`, 0 elsewhere: hidden (B, C, H), labels and
+    keep (B, C) -> (B, C) (and the entropy with `with_entropy`), the head in checkpointed chunks."""
+    shape = labels.shape
+    h, labels = hidden[keep], labels[keep]  # (N, H), (N,): real tokens only
     head = model.get_output_embeddings()
     transform = logit_transform(model.config)  # e.g. Gemma-2's softcap: the logits generate samples from
     chunk = chunk_tokens or max(1, 2**26 // head.weight.shape[0])  # <= 256 MB of fp32 logits
@@ -198,11 +216,11 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
             lp, ent = _head_logprobs(*args)
         lps.append(lp)
         ents.append(ent)
-    logprobs = torch.zeros(completion_ids.shape, dtype=torch.float32, device=h.device)
+    logprobs = torch.zeros(shape, dtype=torch.float32, device=h.device)
     logprobs = logprobs.masked_scatter(keep, torch.cat(lps)) if lps else logprobs
     if not with_entropy:
         return logprobs
-    entropy = torch.zeros(completion_ids.shape, dtype=torch.float32, device=h.device)
+    entropy = torch.zeros(shape, dtype=torch.float32, device=h.device)
     entropy = entropy.masked_scatter(keep, torch.cat(ents)) if ents else entropy
     return logprobs, entropy
 

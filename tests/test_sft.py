@@ -126,3 +126,70 @@ def test_multi_turn_sft_trains_only_the_assistant_turns(tmp_path, tiny_llama, mo
     assert int(mask.sum()) == int(num_tokens)  # the normaliser counts the trained tokens, as the mask does
     logged = json.loads(open(out / "metrics.jsonl").readline())["loss"]
     assert logged == pytest.approx(float(-(logprobs * mask).sum() / mask.sum()), rel=1e-5)
+
+
+@torch.no_grad()
+def test_packed_rows_give_the_unpacked_loss(tiny_llama):
+    """--packing: examples of different lengths packed into rows (position ids restarting with each)
+    give, token for token, the log-probs of the prompt/completion path on the same rows; with
+    positions that do not restart (no bounds between examples) they would not."""
+    from rlhf import data
+    from rlhf import sampling
+
+    import common
+    import sft
+
+    tok = common.load_tokenizer(tiny_llama)
+    model = common.load_model(tiny_llama, sft.Args(model=tiny_llama, dtype="float32", attn_implementation="sdpa"))
+    u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
+    pairs = [([u("alice bought the bike" + " now" * i)], [a("alice bought bike ." + " now" * (3 - i))]) for i in range(4)]
+    pairs.append(([u("what did bob do ?")], [a("bob lost phone ."), u("and alice ?"), a("alice bought bike .")]))
+    prompts = [data.render_prompt(tok, p) for p, _ in pairs]
+    turns = [data.render_turns(tok, p, c) for p, c in pairs]
+    stops = sampling.stop_token_ids(model, tok)
+
+    prompt_ids, prompt_mask = data.encode_prompts(tok, prompts)
+    completion_ids, completion_mask, loss_mask = data.encode_turns(tok, turns, None, stops)
+    unpacked = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    want = sft.sft_loss(unpacked, loss_mask, loss_mask.sum())
+
+    ids, masks, cut = data.encode_examples(tok, prompts, turns, 64, stops)
+    assert cut == 0 and [sum(m) for m in masks] == loss_mask.sum(1).tolist()
+    rows = data.pack([len(x) for x in ids], 64)
+    assert len(rows) < len(pairs) and sorted(i for r in rows for i in r) == list(range(len(pairs)))
+    assert all(sum(len(ids[i]) for i in r) <= 64 for r in rows)
+    input_ids, position_ids, real, packed_mask = data.packed_batch(rows, ids, masks, tok.pad_token_id)
+    packed = sampling.packed_logprobs(model, input_ids, position_ids, packed_mask)
+    got = sft.sft_loss(packed, packed_mask, packed_mask.sum())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed[packed_mask.bool()].sort().values, unpacked[loss_mask.bool()].sort().values,
+                               rtol=1e-4, atol=1e-5)
+    # the control: one position sequence per row lets each example attend to the ones before it
+    running = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    leaked = sft.sft_loss(sampling.packed_logprobs(model, input_ids, running, packed_mask), packed_mask, packed_mask.sum())
+    assert abs(float(leaked - want)) > 1e-3
+
+
+def test_sft_max_length_packing_and_epochs_through_main(tmp_path, tiny_llama, monkeypatch):
+    """sft.main on conversations: --max_length with --packing (rows of packed examples, --num_train_epochs
+    counting them) logs the first step's loss and token count that unpacked rows give on the same examples."""
+    from conftest import run_main
+
+    import sft
+
+    u, a = (lambda c: {"role": "user", "content": c}), (lambda c: {"role": "assistant", "content": c})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [u("alice bought the bike" + " now" * i), a("alice bought bike ."),
+                                                     u("what did bob do ?"), a("bob lost phone ." + " now" * i)]}) + "\n"
+                            for i in range(4)))
+    flags = ["--model", tiny_llama, "--dataset", str(path), "--optim", "adamw", "--dtype", "float32",
+             "--attn_implementation", "sdpa", "--max_length", "128"]
+    run_main(sft, [*flags, "--batch_size", "4", "--max_steps", "1", "--output_dir", str(tmp_path / "rows")], monkeypatch)
+    run_main(sft, [*flags, "--packing", "--batch_size", "2", "--num_train_epochs", "1",
+                   "--output_dir", str(tmp_path / "packed")], monkeypatch)
+    rows, packed = _metrics(tmp_path / "rows"), _metrics(tmp_path / "packed")
+    assert len(packed) == 1  # 4 examples in 2 rows of 128 tokens: one epoch of batch 2 is one step
+    assert packed[0]["num_tokens"] == rows[0]["num_tokens"]
+    assert packed[0]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
+    summary = json.load(open(tmp_path / "packed" / "summary.json"))
+    assert summary["examples_truncated"] == 0
