@@ -389,10 +389,8 @@ def main():
     # a config ported from TRL means other things by these two (README, "Coming from TRL")
     B = args.batch_size
     if common.passed("batch_size"):
-        trl = (f"TRL's {B} is --batch_size {B // G} here" if B % G == 0 else
-               f"TRL's {B} is not a whole number of groups of {G}: use a multiple of {G} there")
-        print(f"{script}: note: --batch_size {B} counts prompts, so a micro-batch holds {B} x {G} = {B * G} completions, "
-              f"TRL's per_device_train_batch_size {B * G} (TRL's counts completions; {trl}).")
+        print(f"{script}: note: a micro-batch here is --batch_size {B} prompts x --num_generations {G} = {B * G} "
+              f"completions, which is TRL's per_device_train_batch_size {B * G}.")
     if args.loss_type == "cispo" and args.epsilon_high >= 1:
         print(f"{script}: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
               f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")

@@ -245,13 +245,13 @@ def test_two_micro_batches_train_like_one(loss_type):
 
 
 @pytest.mark.parametrize("batch_size, note", [
-    ("16", "--batch_size 16 counts prompts, so a micro-batch holds 16 x 8 = 128 completions, TRL's "
-           "per_device_train_batch_size 128 (TRL's counts completions; TRL's 16 is --batch_size 2 here)."),
-    ("2", "--batch_size 2 counts prompts, so a micro-batch holds 2 x 8 = 16 completions, TRL's per_device_train_batch_size "
-          "16 (TRL's counts completions; TRL's 2 is not a whole number of groups of 8: use a multiple of 8 there).")])
+    ("16", "a micro-batch here is --batch_size 16 prompts x --num_generations 8 = 128 completions, which is TRL's "
+           "per_device_train_batch_size 128."),
+    ("2", "a micro-batch here is --batch_size 2 prompts x --num_generations 8 = 16 completions, which is TRL's "
+          "per_device_train_batch_size 16.")])
 def test_batch_note_arithmetic(tmp_path, monkeypatch, capsys, batch_size, note):
-    """The note for configs ported from TRL converts in the right direction (it said "use
-    --batch_size 1 for TRL's 2" with 8 generations, and "for TRL's 1" with --batch_size 1)."""
+    """The note for configs ported from TRL: one sentence, our micro-batch in completions and the
+    TRL value that equals it (it read as a riddle: "TRL's 2 is not a whole number of groups of 4")."""
     import sys
 
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--batch_size", batch_size, "--num_generations", "8",
