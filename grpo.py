@@ -418,6 +418,7 @@ def main():
 
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    data.check_renders_tools(tokenizer, ds["prompt"][0], schemas, "--tools")  # never run without the schemas, silently
     model = common.load_model(args.model, args, adapters=True)
     common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun

@@ -167,6 +167,9 @@ def main():
             common.enable_checkpointing(model)
     else:
         tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+        with_tools = next((i for i, t in enumerate(row_tools) if t), None)  # a row whose `tools` the template must show
+        if with_tools is not None:
+            data.check_renders_tools(tokenizer, pairs[with_tools][0], row_tools[with_tools], "the dataset's 'tools' column")
         model = common.load_model(args.model, args, adapters=True)  # --use_peft: LoRA adapters on a frozen base
     common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     stop_ids = sampling.stop_token_ids(model, tokenizer)  # a completion already ending in one gets no extra EOS

@@ -203,6 +203,20 @@ def render_prompt(tokenizer, prompt, tools=None):
                                          **basics.CHAT_TEMPLATE_KWARGS)
 
 
+def check_renders_tools(tokenizer, prompt, tools, what):
+    """Stop when the chat template drops `tools=` (SmolLM2's, many others'): the prompt rendered
+    with the tools' schemas is the prompt without them, so the model would never see them and the
+    run would go on as if no tool existed. `what`: the flag or column that gave the tools."""
+    if not tools or not tokenizer.chat_template:
+        return
+    conversation = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if render_prompt(tokenizer, conversation, tools) == render_prompt(tokenizer, conversation):
+        basics.fail(f"{what}: this chat template renders no tools (a prompt with tools= renders as one without), so the "
+                    "model would never see their schemas; use a model whose chat template lists tools (e.g. "
+                    "Qwen2.5-Instruct), or save this model with a chat template that renders `tools` (its folder's "
+                    "chat_template.jinja).")
+
+
 def render_completion(tokenizer, prompt, completion):
     """Completion text: plain strings as they are; assistant messages as the chat template
     writes them after the prompt (so the end-of-turn token is trained on)."""

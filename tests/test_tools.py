@@ -353,6 +353,33 @@ def test_tools_need_conversational_prompts(tmp_path, tiny_qwen, monkeypatch):
                         "--tools", f"{tmp_path}/calc.py:add", "--output_dir", str(tmp_path / "out")], monkeypatch)
 
 
+def test_a_template_that_renders_no_tools_stops_the_run(tmp_path, tiny_llama, monkeypatch, capsys):
+    """SmolLM2's template drops tools=: grpo.py --tools and sft.py on a `tools` column stop with one
+    sentence, before the model loads, instead of training as if no tool existed."""
+    from conftest import main_error
+
+    import grpo
+    import sft
+
+    (tmp_path / "calc.py").write_text(TOOLS_FILE)
+    u = {"role": "user", "content": "What is 2 + 3?"}
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": [u]}) + "\n")
+    message = main_error(grpo, ["--model", tiny_llama, "--dataset", str(tmp_path / "p.jsonl"), "--reward_fn", "arith_strict",
+                                "--tools", f"{tmp_path}/calc.py:add", "--output_dir", str(tmp_path / "out")], monkeypatch, capsys)
+    assert message.startswith("error: --tools: this chat template renders no tools") and "Qwen2.5-Instruct" in message
+    schema = tools.load_tools(f"{tmp_path}/calc.py:add")[0].schema
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": [u], "completion": [{"role": "assistant", "content": "5"}],
+                                                  "tools": [schema]}) + "\n")
+    message = main_error(sft, ["--model", tiny_llama, "--dataset", str(tmp_path / "s.jsonl"), "--output_dir",
+                               str(tmp_path / "sft")], monkeypatch, capsys)
+    assert message.startswith("error: the dataset's 'tools' column: this chat template renders no tools")
+
+
+def test_a_template_that_renders_tools_passes_the_check():
+    tok = qwen_tokenizer()
+    data.check_renders_tools(tok, [{"role": "user", "content": "What is 2 + 3?"}], [{"name": "add"}], "--tools")
+
+
 # ---------------------------------------------------------------- the arithmetic world's calculator (embedded:arith_tools)
 ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
