@@ -17,6 +17,7 @@ re-exports so that a script writes common.fail). The other shared modules, by re
   needs to read to fork a script.
 """
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -33,8 +34,8 @@ from rlhf import parallel
 from rlhf import sampling
 from worlds import world
 from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
-    ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, code_split, device,
-    embedded_world, fail, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
+    ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, brief, check_hub_id, code_split,
+    device, embedded_world, fail, finite_json, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
 from rlhf.reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
     REWARD_KWARGS, call_reward_fns, load_eval_reward_fns, load_reward_fn, load_reward_fns, parse_reward_weights,
     weighted_rewards)
@@ -166,7 +167,7 @@ def parse_args(cls, default_output_dir=None):
 
     parser = HfArgumentParser(cls)
     for action in parser._actions:  # an empty default reads as nothing, not "(default: )"
-        if action.default == "" and action.help:
+        if action.default == "" and action.help and action.help != argparse.SUPPRESS:
             action.help += "%(default)s"
         if any(o == f"--no_{action.dest}" for o in action.option_strings):  # HF copies the flag's own help to --no_X
             action.help = NO_FLAG_HELP.get(action.dest, f"Turn --{action.dest} off (on by default).")
@@ -472,7 +473,7 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # torn safetensors, no weights, a config transformers rejects
         bad = _unreadable_safetensors(name)
-        fail(f"{bad or name} cannot be loaded ({type(e).__name__}: {str(e)[:300]})"
+        fail(f"{bad or name} cannot be loaded ({type(e).__name__}: {brief(e)})"
              + ("; the file is torn or corrupt: save the model again." if bad else "."))
     if cls is AutoModelForCausalLM and info["missing_keys"]:  # transformers would start them at random
         missing = sorted(info["missing_keys"])

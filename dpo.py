@@ -477,7 +477,7 @@ def main():
     # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
     # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
     vllm_rollouts.shutdown(llm)
-    print(f"{script}: saved to {args.output_dir}")
+    print(f"{script}: {checkpoints.saved_where(args)}")
 
 
 if __name__ == "__main__":

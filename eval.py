@@ -76,6 +76,7 @@ Run:
         --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith   # pass@k
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -108,7 +109,9 @@ JUDGE_TEMPLATE = (
 class Args(VllmArgs, ModelArgs):
     # model and data
     policies: list[str] = field(default_factory=list, metadata={"help": "Policies to compare (also accepted as bare arguments: python eval.py runs/sft runs/dpo): a folder or Hub id, or NAME=PATTERN[,PATTERN...], a method whose runs (training seeds) are the folders matching the glob patterns (quote them: 'grpo=runs/seed*/grpo'). The first is the Elo anchor."})
-    model: str = field(default="", metadata={"help": "Unused: pass the policies as arguments (python eval.py runs/sft runs/dpo)."})
+    model: str = field(default="", metadata={"help": argparse.SUPPRESS})  # not a flag here: the policies are arguments
+    output_dir: str = field(default="", metadata={"help": "Where results.json, results.md, judgments.jsonl, generations.jsonl, the plots and (without --cache_dir) the generation cache go (default: runs/eval)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampling (the same for every policy; with --do_sample or --num_samples) and of the bootstrap resamples; the prompts do not depend on it (an embedded world's test split is always seed 0's)."})
     dataset_split: str = field(default="test", metadata={"help": "Split of --dataset to evaluate on (Hub datasets and folders)."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column of --dataset holding the prompts (text or {role, content} messages)."})
     reference_column: str = field(default="reference", metadata={"help": "Column of reference responses, compared against when present ('' to ignore)."})
@@ -696,8 +699,8 @@ def main():
         for a, b in run_pairs:
             for i in range(n):
                 winner = {1.0: "a", 0.5: "tie", 0.0: "b"}[float(outcomes[a, b][i])]
-                f.write(json.dumps({"prompt_id": i, "policy_a": a, "policy_b": b, "method_a": method_of[a],
-                                    "method_b": method_of[b], "winner": winner, **extra[a, b][i]}) + "\n")
+                f.write(json.dumps(common.finite_json({"prompt_id": i, "policy_a": a, "policy_b": b, "method_a": method_of[a],
+                                                       "method_b": method_of[b], "winner": winner, **extra[a, b][i]})) + "\n")
     with open(os.path.join(out, "generations.jsonl"), "w") as f:
         for i in range(n):
             f.write(json.dumps({"prompt_id": i, "prompt": raw_prompts[i], "responses": {k_: v[i] for k_, v in responses.items()}}) + "\n")

@@ -279,7 +279,7 @@ def main():
     checkpoints.save_final(model, tokenizer, args)
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"{script}: saved to {args.output_dir}")
+    print(f"{script}: {checkpoints.saved_where(args)}")
 
 
 if __name__ == "__main__":

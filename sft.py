@@ -36,6 +36,7 @@ Run:
     python sft.py --model Qwen/Qwen2.5-1.5B --dataset trl-lib/Capybara --max_length 1024 --packing --num_train_epochs 1
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -225,6 +226,7 @@ def main():
 
     # ---- loop
     pbar = tracking.progress(args, start_step, desc=script)
+    start = time.time()
     losses, eval_metrics = [], {}  # stay empty when resuming a run that had already finished
     for step in pbar:
         batches = []
@@ -271,10 +273,13 @@ def main():
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
 
+    train_seconds = time.time() - start
+
     # ---- final save and evaluation
     logger.close()
     checkpoints.save_final(model, tokenizer, args)
     summary = {"final_loss": parallel.all_reduce(torch.stack(losses).sum()).item() if losses else None,
+               "train_seconds": train_seconds, "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
                **truncated, **init, **eval_metrics}
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
@@ -283,7 +288,7 @@ def main():
               f"demonstrations {summary['demo_gold']:.3f}); e.g. {ev['samples'][0]!r}")
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"{script}: saved to {args.output_dir}")
+    print(f"{script}: {train_seconds:.0f} s of training; {checkpoints.saved_where(args)}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ may import it. The README's file table lists the floors (ground, plumbing, kit, 
 imports only files on its own floor or below, with no loop; tests/test_imports.py checks both.
 """
 
+import math
 import os
 import random
 import sys
@@ -67,7 +68,7 @@ def check_hub_id(name, kind):
         (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
     except Exception as e:  # noqa: BLE001 -- offline, unknown repo, gated: one sentence either way
         fail(f"{name} is not a local {'folder' if kind == 'model' else 'file or folder'} and the Hugging Face Hub "
-             f"cannot provide it ({type(e).__name__}: {str(e)[:150]}); check the path (relative to {os.getcwd()}), "
+             f"cannot provide it ({type(e).__name__}: {brief(e)}); check the path (relative to {os.getcwd()}), "
              "or download it while online.")
 
 
@@ -100,6 +101,28 @@ def nonfinite_tensor(tensors):
 
 # ============================================================================ the embedded worlds
 _WORLD_CACHE = {}
+
+
+def brief(error, limit=300):
+    """An exception's text for a one-sentence error: on one line, and when longer than `limit`
+    characters cut at a word boundary with " ..." (a cut mid-word read as a typo)."""
+    text = " ".join(str(error).split())
+    if len(text) <= limit:
+        return text
+    return text[:limit + 1].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
+
+
+def finite_json(obj):
+    """`obj` with every NaN and +-inf float as None, for json.dump: JSON has no NaN (Python writes a
+    bare NaN that JSON.parse and jq reject; null is JSON's "no number"). Dicts, lists and tuples
+    are walked; numpy's float64 is a float."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def embedded_world(seed=0):

@@ -263,10 +263,11 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
             json.dump(vars(args), f, indent=2)
         if state is not None:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        share_like_the_others(tmp)
     except (OSError, RuntimeError) as e:  # a full disk, a folder made read-only: torch.save says RuntimeError
         free = shutil.disk_usage(os.path.dirname(tmp) or ".").free  # before the half-written copy goes
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else str(e)[:200])
+        reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else basics.brief(e, 200))
         basics.fail(f"cannot write {folder} ({reason}); the half-written copy was removed and {kept(args.output_dir)}")
     old = folder.rstrip("/") + ".old"
     shutil.rmtree(old, ignore_errors=True)
@@ -274,6 +275,18 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def share_like_the_others(folder):
+    """Give a saved folder's files the mode every other file of a run gets, 0666 less the umask
+    (0644 under the usual 022): the weights come 0600 out of save_pretrained (written as a private
+    temporary file, then renamed), so another user of the machine could read the run's
+    metrics but not its model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(folder):
+        if os.path.isfile(os.path.join(folder, name)):
+            os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def kept(output_dir):
@@ -312,6 +325,17 @@ def save_final(model, tokenizer, args):
     os.rmdir(tmp)
 
 
+def saved_where(args):
+    """Where the final save put the model, for a run's last line: with --use_peft the adapters'
+    folder too (<output_dir>/adapter/), and whether <output_dir>/ holds the merged model."""
+    if not getattr(args, "use_peft", False):
+        return f"saved to {args.output_dir}"
+    adapter = os.path.join(args.output_dir, "adapter")
+    if not args.merge_adapters:
+        return f"saved the LoRA adapters to {adapter}/ (no merged model: --no_merge_adapters)"
+    return f"saved the merged model to {args.output_dir} and the LoRA adapters to {adapter}/"
+
+
 def write_json(path, obj, kept_note="what was written before it is intact."):
     """Write JSON atomically (temporary file, then rename); under torchrun, rank 0 only. A full or
     read-only disk ends in one sentence naming the file and `kept_note`."""
@@ -320,7 +344,7 @@ def write_json(path, obj, kept_note="what was written before it is intact."):
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump(obj, f, indent=2)
+            json.dump(basics.finite_json(obj), f, indent=2, allow_nan=False)  # NaN / inf as null
         os.replace(path + ".tmp", path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -502,7 +526,7 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
     try:
         state = torch.load(os.path.join(folder, "trainer_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torn/corrupt (a malicious pickle is refused by weights_only too)
-        basics.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {str(e)[:200]}).{_earlier_checkpoints(folder)}")
+        basics.fail(f"{folder}/trainer_state.pt cannot be read ({type(e).__name__}: {basics.brief(e, 200)}).{_earlier_checkpoints(folder)}")
     missing = [k for k in ("step", "optimizer", "scheduler", "rng") if not isinstance(state, dict) or k not in state]
     if missing:
         basics.fail(f"{folder}/trainer_state.pt has no {', '.join(missing)} (not written by save_checkpoint, or edited)."

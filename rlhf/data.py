@@ -49,9 +49,9 @@ def load_data(spec, split="train"):
     try:
         ds = load_dataset(spec, split=split)
     except ValueError as e:  # e.g. an unknown split
-        basics.fail(f"dataset {spec}: {str(e)[:300]}")
+        basics.fail(f"dataset {spec}: {basics.brief(e)}")
     except Exception as e:  # noqa: BLE001 -- datasets' own errors (e.g. rows that do not fit one schema), named
-        basics.fail(f"dataset {spec} cannot be read as one table ({type(e).__name__}: {str(e)[:200]}); "
+        basics.fail(f"dataset {spec} cannot be read as one table ({type(e).__name__}: {basics.brief(e, 200)}); "
                     "keep one format and one set of columns per folder.")
     if len(ds) == 0:
         basics.fail(f"dataset {spec} (split {split}) has no rows.")

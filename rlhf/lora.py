@@ -12,6 +12,16 @@ import warnings
 from rlhf import basics
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` in PeftModel.__init__: a
+    FutureWarning for every PeftModel built (adapters added, loaded, merged: every LoRA run, at its
+    start and at its final save); the value it reads is right."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def adapter_base(name):
     """The model an adapter folder was trained on (adapter_config.json's base_model_name_or_path):
     a model folder or Hub id, or itself an adapter folder when adapters were trained on adapters."""
@@ -30,7 +40,8 @@ def merge_adapter_folder(model, name, args, adapters=False):
     trained on it record `name` as their base: exactly what they were trained on."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(model, name).merge_and_unload()
+    with quiet_peft():
+        model = PeftModel.from_pretrained(model, name).merge_and_unload()
     model.name_or_path = name
     return add_adapters(model, args) if adapters and args.use_peft else model
 
@@ -50,7 +61,7 @@ def merged_model(model, args):
         if hasattr(config, name):
             delattr(config, name)
     base = _plain_model(args.model, type(inner), args, config)
-    with tempfile.TemporaryDirectory() as tmp:  # peft's own path: adapters saved, then loaded onto the base
+    with tempfile.TemporaryDirectory() as tmp, quiet_peft():  # peft's own path: adapters saved, then loaded onto the base
         model.save_pretrained(tmp)
         return PeftModel.from_pretrained(base, tmp).merge_and_unload()
 
@@ -61,7 +72,8 @@ def _plain_model(name, cls, args, config):
     from peft import PeftModel
 
     if os.path.isfile(os.path.join(name, "adapter_config.json")):
-        return PeftModel.from_pretrained(_plain_model(adapter_base(name), cls, args, config), name).merge_and_unload()
+        with quiet_peft():
+            return PeftModel.from_pretrained(_plain_model(adapter_base(name), cls, args, config), name).merge_and_unload()
     return cls.from_pretrained(name, config=config, dtype=basics.torch_dtype(args.dtype),
                                trust_remote_code=args.trust_remote_code, use_safetensors=True)
 
@@ -85,9 +97,7 @@ def add_adapters(model, args):
         task_type=TaskType.SEQ_CLS if score_head else TaskType.CAUSAL_LM,
         modules_to_save=["score"] if score_head else None)  # the new head trains in full
     try:
-        with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
-            # in PeftModel.__init__ (a FutureWarning on every LoRA run); the value it reads is right
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with quiet_peft():
             return get_peft_model(model, config)
     except ValueError as e:  # e.g. a --lora_target_modules name this architecture does not have
         basics.fail(f"--lora_target_modules {targets}: {e}")

@@ -91,7 +91,7 @@ class MetricsLogger:
         if "num_tokens" in metrics:
             metrics["num_tokens"] += self.num_tokens_before
         with checkpoints.writing(self.path, checkpoints.kept(os.path.dirname(self.path))), open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps(basics.finite_json({"step": step, **metrics}), allow_nan=False) + "\n")  # NaN / inf as null
         if pbar is not None:
             pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)}, refresh=False)
         if self.tracker is not None and hasattr(self.tracker, "add_scalar"):

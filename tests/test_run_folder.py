@@ -280,3 +280,81 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path, tiny_qwe
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
         "checkpoint-1", "checkpoint-2", "checkpoint-2.abandoned", "checkpoint-3.abandoned"]
     assert checkpoints.last_checkpoint(str(out)) == str(out / "checkpoint-2")  # --resume continues this run
+
+
+# ------------------------------------------------------------------ #53's papercuts
+def test_nan_and_inf_are_written_as_null(tmp_path):
+    """summary.json (checkpoints.write_json) and metrics.jsonl (tracking.MetricsLogger): JSON has no
+    NaN; a bare NaN is rejected by JSON.parse and jq, null is not."""
+    from rlhf import tracking
+
+    checkpoints.write_json(str(tmp_path / "summary.json"), {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -float("inf")}})
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}}
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), report_to="none", overwrite_output_dir=False, resume=False,
+                           resume_from_checkpoint="")
+    logger = tracking.MetricsLogger(args)
+    logger.update({"loss": torch.tensor(float("nan")), "grad_norm": 2.0})
+    logger.log(1)
+    logger.close()
+    line = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "NaN" not in line and json.loads(line) == {"step": 1, "loss": None, "grad_norm": 2.0}
+
+
+def test_a_lora_run_shares_its_files_says_where_the_adapters_are_and_warns_nothing(tmp_path, tiny_qwen, sft_data,
+                                                                                 monkeypatch, capsys):
+    """Weights written 0666 less the umask like every other file (save_pretrained leaves them 0600);
+    the last line names adapter/; SFT's summary has its time; no FutureWarning (peft's
+    is_gradient_checkpointing read) on the way."""
+    import warnings
+
+    out = tmp_path / "lora"
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
+        run_main(sft, _sft_flags(tiny_qwen, sft_data, out, "--use_peft", "--save_steps", "1"), monkeypatch)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in ("model.safetensors", "adapter/adapter_model.safetensors", "checkpoint-1/adapter_model.safetensors", "args.json"):
+        assert os.stat(out / f).st_mode & 0o777 == 0o666 & ~umask, f
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith(f"saved the merged model to {out} and the LoRA adapters to {out / 'adapter'}/")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_seconds"] > 0 and summary["seconds_per_step"] > 0
+
+
+def test_an_unreachable_hub_id_is_one_sentence_cut_at_a_word(monkeypatch):
+    """Offline, the Hub's reason is kept whole (it was cut at 150 characters, mid-word)."""
+    import huggingface_hub
+
+    from rlhf import basics
+
+    def refuse(reason):
+        monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: (_ for _ in ()).throw(OSError(reason)))
+        with pytest.raises(SystemExit) as e:
+            basics.check_hub_id("org/missing-model-53", "model")
+        assert str(e.value).endswith("or download it while online.")
+        return str(e.value).split("(OSError: ", 1)[1].rsplit("); check the path", 1)[0]
+
+    offline = ("Cannot reach https://huggingface.co/api/models/org/missing-model-53: offline mode is enabled. To disable "
+               "it, please unset the `HF_HUB_OFFLINE` environment variable.")
+    assert refuse(offline) == offline  # huggingface_hub's whole sentence (185 characters)
+    long = refuse(offline * 3)
+    assert long.endswith(" ...") and (offline * 3).startswith(long[:-4]) and (offline * 3)[len(long) - 4] == " "
+    assert basics.brief("a" * 10 + " bcdefgh", 12) == "aaaaaaaaaa ..." and basics.brief("short one") == "short one"
+
+
+def test_eval_help_describes_evals_own_flags(monkeypatch, capsys):
+    import sys
+
+    import eval as ev
+
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--help"])
+    with pytest.raises(SystemExit):
+        common.parse_args(ev.Args)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model" not in text  # the policies are arguments, not --model
+    assert "Where results.json, results.md, judgments.jsonl, generations.jsonl, the plots" in text and "(default: runs/eval)" in text
+    assert "--seed SEED Seed of the sampling" in text and "checkpoints" not in text.split("--seed")[1][:200]
