@@ -276,7 +276,7 @@ def test_a_fork_says_its_own_name(tmp_path, tiny_qwen, monkeypatch, capsys):
     capsys.readouterr()
     grpo.main()
     printed = capsys.readouterr().out
-    assert descs == ["my_grpo"] and "my_grpo: note: --batch_size 2" in printed and "my_grpo: " in printed
+    assert descs == ["my_grpo"] and "my_grpo: note: a micro-batch here is --batch_size 2" in printed and "my_grpo: " in printed
     assert f"saved to {out}" in printed and "\ngrpo:" not in "\n" + printed
 
 

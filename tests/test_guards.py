@@ -165,7 +165,7 @@ def test_unknown_choices_fail_at_parse_time(tmp_path, monkeypatch, capsys):
     out = ["--output_dir", str(tmp_path / "o")]
     cases = [("dpo", ["--loss_type", "hinge2", *out], "--loss_type 'hinge2' is not one of: sigmoid"),
              ("sft", ["--parallel", "zero3", *out], "--parallel 'zero3' is not one of: ddp, fsdp2"),
-             ("grpo", ["--parallel", "fsdp2", *out], "--parallel fsdp2 needs --optim adamw"),  # default --optim adamw_8bit
+             ("grpo", ["--parallel", "fsdp2", "--optim", "adamw_8bit", *out], "--parallel fsdp2 needs --optim adamw"),  # --optim auto picks adamw
              ("ppo", ["--output_dir", str(finished)],
               f"--output_dir {finished} holds another run's model and checkpoints (checkpoint-4, config.json)")]
     for script, argv, expected in cases:
