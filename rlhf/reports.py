@@ -39,7 +39,7 @@ def markdown_report(results, names, reference):
 
     kind = s["judge"].split(":")[0]
     fn_score = "gold score" if s["reward_fn"] == "gold" else "accuracy (greedy)" if s["verifier"] else s["judge_name"]
-    score_name = {"gold": fn_score, "rm": "reward", "llm": None}[kind]
+    score_name = {"gold": fn_score, "rm": "reward"}.get(kind)  # llm, pairwise, http: no score, only preferences
     words = not s["verifier"]  # word counts say nothing about an exact check
     head = ["policy"] + (["runs"] if multi else []) + heading("Elo") + heading(f"win rate vs {anchor}")
     head += heading("win rate vs reference") if has_reference else []
@@ -72,7 +72,8 @@ def markdown_report(results, names, reference):
     lines = [f"# eval: judge {s['judge_name']}", "",
              f"{s['num_prompts']} prompts from {s['dataset']}, {'sampled' if s['do_sample'] else 'greedy'}, "
              f"{s['max_completion_length']} new tokens at most; {ci_text}. Win rate: a's wins over b, ties count half"
-             + (f" (LLM judge: a tie when P(a better) is within {s['tie_margin']} of 0.5)" if s["judge"].startswith("llm") else "")
+             + (f" (a tie when the judge's P(a better), asked in both orders, is within {s['tie_margin']} of 0.5)"
+                if kind in ("llm", "pairwise", "http") else "")
              + (", averaged over every pair of runs" if multi else "")
              + f"; * = the CI excludes 0.5. Elo: Bradley-Terry, 400 log10 odds, {anchor} = 1000.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -505,23 +505,24 @@ def test_each_reward_function_beside_the_weighted_sum_and_a_cached_subset(tiny_f
     root = tiny_folders
     (root / "fns.py").write_text(
         "def length(completions, **kw):\n    return [float(len(c.split())) for c in completions]\n"
-        "def has_the(completions, **kw):\n    return [1.0 if 'the' in c.split() else None if len(c) % 2 else 0.0 for c in completions]\n")
-    flags = ["--reward_fn", f"{root / 'fns.py'}:length,{root / 'fns.py'}:has_the", "--reward_weights", "1,2",
+        "def chars(completions, **kw):  # None (not applicable) on the first prompt\n"
+        "    return [None if i == 0 else float(len(c)) for i, c in enumerate(completions)]\n")
+    flags = ["--reward_fn", f"{root / 'fns.py'}:length,{root / 'fns.py'}:chars", "--reward_weights", "1,2",
              "--num_bootstrap", "200", "--max_completion_length", "12", "--eval_batch_size", "8", "--do_sample",
              "--cache_dir", root / "cache_fns"]
     out = root / "fns"
     run_eval([root / "pi0", root / "pi1", "--output_dir", out, "--num_prompts", "24", *flags], monkeypatch, capsys)
     results = json.loads((out / "results.json").read_text())
-    assert results["settings"]["reward_fns"] == ["length", "has_the"]
+    assert results["settings"]["reward_fns"] == ["length", "chars"]
     gens = read_jsonl(out / "generations.jsonl")
     for name in ("pi0", "pi1"):
         texts = [g["responses"][name] for g in gens]
         length = np.array([len(t.split()) for t in texts], float)
-        the = np.array([1.0 if "the" in t.split() else np.nan if len(t) % 2 else 0.0 for t in texts])
+        chars = np.array([np.nan if i == 0 else float(len(t)) for i, t in enumerate(texts)])
         p = results["policies"][name]
         assert p["rewards"]["length"]["score"] == pytest.approx(length.mean())
-        assert p["rewards"]["has_the"]["score"] == pytest.approx(np.nanmean(the))  # None left out
-        assert p["score"] == pytest.approx(np.mean(length + 2 * np.nan_to_num(the)))  # the weighted sum, as before
+        assert p["rewards"]["chars"]["score"] == pytest.approx(np.nanmean(chars))  # None left out
+        assert p["score"] == pytest.approx(np.mean(length + 2 * np.nan_to_num(chars)))  # the weighted sum, as before
         r = p["rewards"]["length"]
         assert r["score_ci_low"] <= r["score"] <= r["score_ci_high"]
     (pair,) = [r for r in results["pairwise"] if (r["policy_a"], r["policy_b"]) == ("pi1", "pi0")]
@@ -529,10 +530,132 @@ def test_each_reward_function_beside_the_weighted_sum_and_a_cached_subset(tiny_f
     b = np.array([len(g["responses"]["pi0"].split()) for g in gens])
     assert pair["rewards"]["length"]["win_rate"] == pytest.approx(np.mean((np.sign(a - b) + 1) / 2))
     report = (out / "results.md").read_text()
-    assert "has_the: win rate vs pi0 (95% CI)" in report and "| length (95% CI) |" in report
+    assert "chars: win rate vs pi0 (95% CI)" in report and "| length (95% CI) |" in report
     assert (out / "reward_win_rates.png").stat().st_size > 1000
 
     stdout = run_eval([root / "pi0", root / "pi1", "--output_dir", root / "fns10", "--num_prompts", "10", *flags],
                       monkeypatch, capsys)
     assert stdout.count("responses from the cache") == 2 and "generated" not in stdout
     assert read_jsonl(root / "fns10" / "generations.jsonl") == gens[:10]
+
+
+# ---------------------------------------------------------------- judges you configure
+JUDGE_FILE = "Prompt: {prompt}\nFirst <<{a}>>\nSecond <<{b}>>\nJSON braces stay: {\"x\": 1}. Answer A or B:"
+
+
+def test_judge_template_fills_once_and_is_checked(tmp_path, monkeypatch, capsys):
+    from conftest import main_error
+
+    assert ev.fill_template(JUDGE_FILE, "p", " {b} ", "two") == ("Prompt: p\nFirst <<{b}>>\nSecond <<two>>\n"
+                                                                 "JSON braces stay: {\"x\": 1}. Answer A or B:")
+    tok = world.build_tokenizer()  # no chat template: the question as the file writes it
+    assert ev.judge_input(tok, [{"role": "user", "content": "hi"}], "x", "y", JUDGE_FILE).startswith("Prompt: user: hi\nFirst <<x>>")
+    (tmp_path / "bad.txt").write_text("Which is better, {a} or the other?")
+    message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "bad.txt")], monkeypatch, capsys)
+    assert "--judge_template" in message and "lacks {prompt}, {b}" in message
+
+
+def test_pairwise_reward_model_judge_is_position_debiased(tiny_folders, tmp_path, monkeypatch, capsys):
+    """--judge pairwise:PATH: a one-logit sequence classifier shown both responses; a bias towards
+    whichever comes first cancels (a vs a: exactly 0.5; P(a, b) + P(b, a) = 1), and eval.main uses it."""
+    from transformers import AutoModelForSequenceClassification
+
+    root = tiny_folders
+    path = tmp_path / "pairrm"
+    AutoModelForSequenceClassification.from_pretrained(root / "pi0", num_labels=1).save_pretrained(path)
+    world.build_tokenizer().save_pretrained(path)
+    model, tok = ev.common.load_reward_model(str(path), ev.Args(dtype="float32"))
+    model.score.bias = torch.nn.Parameter(torch.tensor([3.0]))  # favours the first, whatever it is
+    prompts, a, b = ["POST: alice bought the bike . TL;DR:"] * 2, [" alice bought bike .", " bob lost phone ."], [" bob sold car .", " a"]
+    first = lambda p, f, s: ev.pairwise_first_better(model, tok, p, f, s)  # noqa: E731
+    assert (first(prompts, a, b) > 0.8).all() and (first(prompts, b, a) > 0.8).all()
+    np.testing.assert_allclose(ev.position_debiased(first, prompts, a, a), 0.5, atol=1e-7)
+    np.testing.assert_allclose(ev.position_debiased(first, prompts, a, b) + ev.position_debiased(first, prompts, b, a), 1.0,
+                               atol=1e-7)
+    out = root / "pairwise"
+    run_eval([root / "pi0", root / "pi1", "--output_dir", out, "--judge", f"pairwise:{path}", "--num_prompts", "8",
+              "--num_bootstrap", "50", "--max_completion_length", "12", "--eval_batch_size", "8", "--do_sample",
+              "--cache_dir", root / "cache"], monkeypatch, capsys)
+    judgments = read_jsonl(out / "judgments.jsonl")
+    assert len(judgments) == 3 * 8 and all(0 <= j["prob_a"] <= 1 for j in judgments)  # pi1 vs pi0, each vs the references
+    assert all((j["winner"] == "tie") == (abs(j["prob_a"] - 0.5) <= 0.05) for j in judgments)
+
+
+@pytest.fixture
+def judge_server():
+    """An OpenAI-compatible /chat/completions on 127.0.0.1 that prefers the longer of <<a>> and <<b>>
+    with a position bias (the second must be 6 characters longer to win), under /ok; /slow never
+    answers in time; /broken answers 500.
+    Yields (base URL, the requests it received)."""
+    import http.server
+    import re
+    import threading
+    import time
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers.get("Authorization"), body))
+            if self.path.startswith("/slow"):
+                time.sleep(1.0)
+            if self.path.startswith("/broken") or self.path.startswith("/slow"):
+                self.send_response(500)
+                self.end_headers()
+                return
+            a, b = re.findall(r"<<(.*?)>>", body["messages"][0]["content"], re.S)
+            answer = "A" if len(a) + 5 >= len(b) else "B"  # longer wins, by more than 5 characters when shown second
+            reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_judge_against_a_local_server(tiny_folders, judge_server, tmp_path, monkeypatch, capsys):
+    """--judge http:MODEL with --judge_template: the longer response wins, lengths within the
+    server's position bias tie (asked in both orders, it says "A" both times), the key comes from
+    --judge_api_key_env; a server
+    that answers 500 or too late stops the run in one sentence after 1 + --judge_max_retries tries,
+    within the time those take."""
+    import time
+
+    from conftest import main_error
+
+    url, seen = judge_server
+    root = tiny_folders
+    (tmp_path / "judge.txt").write_text(JUDGE_FILE)
+    monkeypatch.setenv("MY_JUDGE_KEY", "sekret")
+    flags = [root / "pi0", root / "pi1", "--judge", "http:judge-7b", "--judge_template", tmp_path / "judge.txt",
+             "--judge_api_key_env", "MY_JUDGE_KEY", "--num_prompts", "8", "--num_bootstrap", "50", "--max_completion_length",
+             "12", "--eval_batch_size", "8", "--do_sample", "--cache_dir", root / "cache"]
+    out = tmp_path / "http"
+    run_eval([*flags, "--output_dir", out, "--judge_base_url", f"{url}/ok/v1"], monkeypatch, capsys)
+    gens = {g["prompt_id"]: g["responses"] for g in read_jsonl(out / "generations.jsonl")}
+    judgments = read_jsonl(out / "judgments.jsonl")
+    assert len(judgments) == 3 * 8  # pi1 vs pi0, each vs the references
+    for j in judgments:
+        la, lb = (len(gens[j["prompt_id"]][j[p]].strip()) for p in ("policy_a", "policy_b"))
+        assert j["winner"] == ("a" if la > lb + 5 else "b" if lb > la + 5 else "tie")  # the bias cancels: a tie
+    assert {(path, key, body["model"]) for path, key, body in seen} == {("/ok/v1/chat/completions", "Bearer sekret", "judge-7b")}
+
+    for where, retries in (("broken", "2"), ("slow", "1")):
+        seen.clear()
+        start = time.time()
+        message = main_error(ev, [*[str(f) for f in flags], "--output_dir", str(tmp_path / where), "--judge_base_url",
+                                  f"{url}/{where}/v1", "--judge_timeout", "0.3", "--judge_max_retries", retries,
+                                  "--num_prompts", "1"], monkeypatch, capsys)  # one question at a time
+        assert f"--judge http:judge-7b: {url}/{where}/v1/chat/completions gave no answer in {1 + int(retries)} tries" in message
+        assert "check --judge_base_url" in message and time.time() - start < 20
+        assert len(seen) == 1 + int(retries)
