@@ -47,7 +47,19 @@ Judges (--judge):
   cancels position bias (Zheng et al. 2023, MT-Bench): a judge that always says "A" gives 0.5.
   A comparison whose averaged P(a better) is within --tie_margin (0.05) of 0.5 is a tie: a judge
   with no preference (a random one says 0.50004) must not hand out wins. Outside the margin the
-  more likely side wins the whole game (not a fractional P(a) win), as with score judges.
+  more likely side wins the whole game (not a fractional P(a) win), as with score judges;
+- `pairwise:PATH`: a sequence classifier with one logit (AutoModelForSequenceClassification,
+  num_labels 1) shown the prompt and both responses in one input, as pairwise reward models
+  such as PairRM are used: P(the first is better) = sigmoid(logit); asked in both orders and
+  tied within --tie_margin, as the LLM judge;
+- `http:MODEL`: an OpenAI-compatible server (a vLLM server, an API) at --judge_base_url, the key
+  from the environment variable --judge_api_key_env: POST /chat/completions with the question,
+  P(A) from the answer token's top log-probs where the server gives them, else from the answer's
+  letter (A 1, B 0, anything else 0.5); asked in both orders, ties as above. Every request waits
+  --judge_timeout seconds and is tried 1 + --judge_max_retries times; then the run stops in one
+  sentence (the generations stay cached).
+The question the llm, pairwise and http judges read is JUDGE_TEMPLATE, or --judge_template FILE
+with {prompt}, {a} and {b} where the prompt and the two responses go.
 
 Departures and choices:
 - identical responses are a tie, whatever the judge (no judge call is made for them);
@@ -72,6 +84,8 @@ Run:
     python eval.py sft=runs/sft 'grpo=runs/seed*/grpo' 'mine=runs/seed*/my_grpo'   # methods over seeds
     python eval.py runs/sft runs/dpo --judge rm:runs/reward --output_dir runs/eval_rm
     python eval.py runs/sft runs/dpo --judge llm:Qwen/Qwen2.5-7B-Instruct --dataset prompts.jsonl
+    python eval.py runs/sft runs/dpo --judge http:Qwen/Qwen2.5-7B-Instruct --judge_base_url http://localhost:8000/v1 \
+        --judge_template my_judge.txt --dataset prompts.jsonl       # a `vllm serve` judge, your question
     python eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith \
         --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith   # pass@k
 """
