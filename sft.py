@@ -192,7 +192,7 @@ def main():
         truncated = {"examples_truncated": cut}
         if args.packing:
             print(f"{script}: --packing: {len(pairs)} examples in {len(rows)} rows of --max_length {args.max_length} "
-                  f"({sum(lengths) / (len(rows) * args.max_length):.0%} of their tokens filled)")
+                  f"({sum(lengths) / (len(rows) * args.max_length):.0%} full)")
     data.set_max_steps(args, len(rows or pairs), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
     print(f"{script}: {len(pairs)} examples from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")

@@ -258,7 +258,8 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     weights = (sum(numels) + buffers) * nb
     P, C, gen_len = prompt_length, completion_length, generation_length or completion_length
     ckpt = args.gradient_checkpointing
-    opt_note = {"adamw_8bit": "8-bit AdamW: ~2 bytes/param", "adamw": "AdamW: 8 bytes/param (fp32 moments)"}[args.optim]
+    optim = common.default_optim(args) if args.optim == "auto" else args.optim  # "auto": an Args built in code
+    opt_note = {"adamw_8bit": "8-bit AdamW: ~2 bytes/param", "adamw": "AdamW: 8 bytes/param (fp32 moments)"}[optim]
     adapters = 0  # LoRA activation bytes per token and layer
     if args.use_peft:  # a frozen (maybe 4/8-bit) base, and only the adapters (and a score head) train
         base, trained, trained_bytes, adapters = peft_plan(args, config, head, nb)
@@ -267,11 +268,11 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
                 ("adapter weights", trained_bytes, f"LoRA r={args.lora_r}, {sum(trained) / 1e6:,.2f}M params in fp32"
                  + (" + score head" if head == "score" else "")),
                 ("gradients", trained_bytes, "of the adapters only"),
-                ("optimizer states", optimizer_state_plan(trained, args.optim, torch.float32), opt_note + ", adapters only")]
+                ("optimizer states", optimizer_state_plan(trained, optim, torch.float32), opt_note + ", adapters only")]
     else:
         rows = [("policy weights", weights, f"{sum(numels) / 1e6:,.1f}M params x {nb} bytes ({dtype})"),
                 ("gradients", sum(numels) * nb, f"{dtype}, like the weights"),
-                ("optimizer states", optimizer_state_plan(numels, args.optim, dtype), opt_note + "; no master weights")]
+                ("optimizer states", optimizer_state_plan(numels, optim, dtype), opt_note + "; no master weights")]
     where = " (on the CPU: --offload_frozen)" if offload else ""
     if reference is True and args.use_peft:
         rows.append(("reference model", 0, "none: the policy's base with its adapters off (--use_peft)"))
@@ -288,11 +289,11 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
             rows += [("critic weights", c_base, f"frozen base, {sum(c_numels) / 1e6:,.1f}M params"),
                      ("critic adapter weights", c_bytes, "LoRA + score head"),
                      ("critic gradients", c_bytes, ""),
-                     ("critic optimizer states", optimizer_state_plan(c_trained, args.optim, torch.float32), opt_note)]
+                     ("critic optimizer states", optimizer_state_plan(c_trained, optim, torch.float32), opt_note)]
         else:
             rows += [("critic weights", (sum(c_numels) + c_buffers) * nb, f"{sum(c_numels) / 1e6:,.1f}M params, score head"),
                      ("critic gradients", sum(c_numels) * nb, ""),
-                     ("critic optimizer states", optimizer_state_plan(c_numels, args.optim, dtype), opt_note)]
+                     ("critic optimizer states", optimizer_state_plan(c_numels, optim, dtype), opt_note)]
     reward_bytes, notes = 0, []
     for path in [p for p in reward_models or [] if p]:
         r_numels, r_buffers = parameter_numels(_config_or_policy(args, path, config), "score")

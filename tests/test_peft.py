@@ -215,7 +215,7 @@ def test_static_plan_matches_measured_with_adapters(tiny_qwen, tmp_path, quant):
     """Planned vs measured bytes of the (maybe quantised) base, the adapters, their gradients and
     8-bit AdamW states, within 5%."""
     args = sft.Args(model=tiny_qwen, use_peft=True, lora_r=8, load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit",
-                    attn_implementation="sdpa", output_dir=str(tmp_path), learning_rate=1e-3)
+                    attn_implementation="sdpa", output_dir=str(tmp_path), learning_rate=1e-3, optim="adamw_8bit")
     plan = {name: n for name, n, _ in memory.estimate_memory(args, train_sequences=2, prompt_length=6, completion_length=6)}
     model = common.load_model(tiny_qwen, args, adapters=True)
     optimizer = common.make_optimizer(model, args)
