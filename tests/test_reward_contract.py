@@ -73,9 +73,9 @@ def test_every_script_scores_a_completion_alike(tmp_path):
     judge, _ = dpo.make_judge(SimpleNamespace(**{**vars(args), "reward_fn": ""}), False)
     torch.testing.assert_close(judge(prompts, completions, None, columns), rm_scores)
     # eval.py --judge gold --reward_fn ... and --judge rm:PATH
-    by_eval = ev.judge_scores("gold", None, {"p": texts}, prompts, columns, args)["p"]
+    by_eval = ev.judge_scores("gold", None, {"p": texts}, prompts, columns, args)[0]["p"]  # (scores, per function)
     torch.testing.assert_close(torch.tensor(by_eval, dtype=torch.float32), fn_scores)
-    by_eval = ev.judge_scores("rm", rm_path, {"p": texts}, prompts, columns, args)["p"]
+    by_eval = ev.judge_scores("rm", rm_path, {"p": texts}, prompts, columns, args)[0]["p"]
     torch.testing.assert_close(torch.tensor(by_eval, dtype=torch.float32), rm_scores)
     # ... and the reward model read what reward.py trains on: its rendering of (prompt, answer)
     for i, p in enumerate(prompts):
