@@ -117,7 +117,7 @@ class TrainArgs(ModelArgs):
 
 @dataclass
 class VllmArgs:
-    """The flags of --use_vllm (vllm_rollouts.py; README, "Rollouts with vLLM"), TRL's names, for
+    """The flags of --use_vllm (vllm_rollouts.py; docs/vllm.md), TRL's names, for
     every script that samples (SamplingArgs' and eval.py's)."""
 
     use_vllm: bool = field(default=False, metadata={"help": "Sample with a vLLM engine inside this process (TRL's colocate mode), its weights synced before every rollout; needs .venv-vllm (make vllm-env)."})

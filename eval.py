@@ -119,7 +119,7 @@ class Args(VllmArgs, ModelArgs):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (with --do_sample; 0: off)."})
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders)."})
-    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called by keyword as TRL calls them (README)."})
+    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1); the judge's score is the weighted sum over the functions that do not return None, as in grpo.py."})
     num_samples: int = field(default=0, metadata={"help": "n: completions sampled per prompt at --temperature for pass@k, with a verifier as the judge (0: off)."})
     pass_k: str = field(default="", metadata={"help": "Comma-separated k for pass@k, each at most --num_samples (default: 1, 2, 4, ... up to --num_samples)."})

@@ -89,7 +89,7 @@ Run:
     python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools worlds/calculator.py:add \
         --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0   # tool calls (make demo-tools)
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
-    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
+    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; docs/vllm.md)
     python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
@@ -122,7 +122,7 @@ class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (docs/usage.md). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside a --reward_model: Gao et al. 2022's gold score)."})
@@ -386,7 +386,7 @@ def main():
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
     parallel.init_distributed()  # under torchrun: join the process group (only rank 0 prints); a no-op otherwise
-    # a config ported from TRL means other things by these two (README, "Coming from TRL")
+    # a config ported from TRL means other things by these two (docs/trl.md)
     B = args.batch_size
     if common.passed("batch_size"):
         trl = (f"TRL's {B} is --batch_size {B // G} here" if B % G == 0 else

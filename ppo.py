@@ -62,7 +62,7 @@ Run:
     python ppo.py --eval_dataset embedded --eval_steps 5 --eval_reward_fn gold   # the gold score of greedy test completions every 5 steps
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
     torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
-    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
+    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; docs/vllm.md)
 """
 
 import dataclasses
@@ -90,7 +90,7 @@ EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_
 class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (README)."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the score is the weighted sum over the functions that do not return None."})
     eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside the reward model: Gao et al. 2022's gold score)."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})

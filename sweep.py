@@ -23,7 +23,7 @@ sft.py, reward.py, ppo.py, dpo.py, grpo.py, or your fork of one.
 Run:
     python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16                       # 9 runs
     python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16 --batch_size 16,8,4 --zip \\
-        --output_dir runs/group_size -- --model runs/sft --max_steps 80                   # STUDIES.md
+        --output_dir runs/group_size -- --model runs/sft --max_steps 80                   # docs/studies.md
     python sweep.py my_grpo.py --seeds 0,1,2 -- --model runs/sft                         # a fork
 """
 

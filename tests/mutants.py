@@ -3,7 +3,7 @@ reference, a stop rule, the bootstrap, a guard or a checkpoint, each with the te
 fail when it is made. Every entry changes one line of a temporary copy of the repository (its
 git-tracked files); a mutant whose tests still pass is a *survivor*: a hole in the warranty.
 
-    python tests/mutants.py                 # every mutant (make mutants); the README gives its time
+    python tests/mutants.py                 # every mutant (make mutants); docs/tests.md gives its time
     python tests/mutants.py --list          # names, files and tests, without running anything
     python tests/mutants.py --only ppo_missing_eos_sign,eval_elo_unpaired
 
