@@ -121,6 +121,10 @@ def main():
     type_, repr_, str_, write, exit_ = type, repr, str, os.write, os._exit  # the code may rebind builtins
 
     def send(text):  # one frame: b"<length>\n<a Python literal>", then exit
+        try:
+            sys.stdout.flush()  # what the code printed, for Result.output
+        except BaseException:  # the code closed or replaced sys.stdout: its output is not ours to report
+            pass
         data = text.encode()
         data = b"%d\n" % len(data) + data
         while data:
@@ -184,10 +188,6 @@ def main():
         exec(compile(job["code"], "<completion>", "exec"), namespace)
     except BaseException as e:  # SystemExit and KeyboardInterrupt included: nothing the code does stops the report
         error = "code: " + describe(e)
-    try:
-        sys.stdout.flush()  # what the code printed, for Result.output
-    except BaseException:  # the code closed or replaced sys.stdout: its output is not ours to report
-        pass
     if job["calls"] is None:  # run: statements, each passes when it raises nothing
         passed = []
         for test in job["tests"] if error is None else ():

@@ -128,6 +128,8 @@ def outside():
     """A folder outside /tmp (which the child's private tmpfs hides), readable and searchable by
     others as a project folder is; removed afterwards."""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs")
+    if any(os.path.realpath(root).startswith(p + "/") for p in ("/tmp", "/var/tmp", "/dev/shm")):
+        root = "/"  # a copy of the repository in /tmp (tests/mutants.py)
     os.makedirs(root, exist_ok=True)
     path = tempfile.mkdtemp(prefix="sandbox-victim-", dir=root)
     os.chmod(path, 0o755)
@@ -148,6 +150,16 @@ def test_writing_outside_the_working_dir_fails(outside):
     assert reward == 0 and not os.path.exists(os.path.join(outside, "new.txt"))
     os.chmod(outside, 0o777)  # world-writable, as /tmp is: every mount is read-only for the code
     reward, result, _ = attack(f"open({os.path.join(outside, 'new.txt')!r}, 'w').write('pwned')\npwned = True")
+    assert reward == 0 and "Read-only file system" in result.output and not os.path.exists(os.path.join(outside, "new.txt"))
+
+
+@as_root
+def test_without_mount_setattr_every_mount_is_remounted_read_only(outside, monkeypatch):
+    """Kernels before 5.12 (no mount_setattr): the harness remounts each mount read-only instead."""
+    monkeypatch.setattr(sandbox, "HARNESS", sandbox.HARNESS.replace("libc.syscall(442,", "libc.syscall(-1,"))
+    os.chmod(outside, 0o777)
+    code = f"open('/tmp/scratch', 'w').write('x')\nopen({os.path.join(outside, 'new.txt')!r}, 'w').write('pwned')\npwned = True"
+    reward, result, _ = attack(code)
     assert reward == 0 and "Read-only file system" in result.output and not os.path.exists(os.path.join(outside, "new.txt"))
 
 

@@ -169,7 +169,10 @@ def test_system_v_shared_memory_does_not_reach_the_next_run():
 @pytest.mark.parametrize("tests", ["", "   \n", "# assert f(1) == 7", [], ["assert f(1) == 7", ""], "pass",
                                    "assert f(1)", "assert f(1) != 7", "assert f(1) == 7, 'why'", "assert g(x) == 1",
                                    "assert f(*[1]) == 7", "assert f(**{'x': 1}) == 7", "assert f.g(1) == 7",
-                                   "assert f(1) == {7}", "assert sorted(f(1)) == [7]", "assert f(1) == 7 == 7"])
+                                   "assert f(1) == {7}", "assert sorted(f(1)) == [7]", "assert f(1) == 7 == 7"],
+                         ids=["empty", "blank", "a comment", "no test", "a blank test", "no assert", "no comparison",
+                              "not ==", "a message", "an argument not literal", "starred", "double starred", "a method",
+                              "a set", "a call around f", "chained"])
 def test_tests_not_of_the_form_are_refused_naming_the_row(tests):
     with pytest.raises(ValueError, match=r"^exec_tests: row 1 of the `tests` column .*\.$"):
         sandbox.exec_tests(prompts=["p", "q"], completions=["def f(x):\n    return 7"] * 2, tests=[["assert f(1) == 7"], tests])
