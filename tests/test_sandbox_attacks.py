@@ -201,3 +201,10 @@ def frame(body):
 def test_a_forged_or_torn_report_is_no_report(report):
     assert sandbox._frame(report) is None
     assert sandbox._frame(frame(b"{'error': None, 'results': [('value', (1, [2.5]))]}")) == {"error": None, "results": [("value", (1, [2.5]))]}
+
+
+def test_without_root_the_verifier_says_what_is_not_isolated_and_still_scores(monkeypatch, capsys):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # as a normal user: no namespaces, no uid of its own
+    monkeypatch.setattr(sandbox, "_checked", set())
+    assert rewards(sandbox.exec_tests, [CORRECT["plain"], ATTACKS["always-true __eq__"]]) == [1.0, 0.0]
+    assert "sandbox: not running as root" in capsys.readouterr().err
