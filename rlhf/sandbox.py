@@ -15,7 +15,10 @@ How one completion runs (`_spawn`):
 - before the code runs, the harness in the child (HARNESS below) sets, for itself and the code:
   RLIMIT_CPU (CPU seconds; SIGXCPU then SIGKILL), RLIMIT_AS (address space: a large allocation
   raises MemoryError), RLIMIT_FSIZE (largest file it may write), RLIMIT_NOFILE (open files) and
-  RLIMIT_NPROC = 1 (no new process or thread: fork, subprocess and threads fail);
+  RLIMIT_NPROC = 1 (no new process or thread: fork, subprocess and threads fail), and a seccomp
+  filter (SECCOMP, x86_64 and aarch64) that denies the kernel keyrings (a uid's keys outlive its
+  processes, so a run could leave state for the next run on its uid), bpf, userfaultfd,
+  perf_event_open and io_uring;
 - when the trainer runs as root (the usual container), the harness first enters new network, IPC
   and mount namespaces (unshare through libc): no interface but a down loopback, so no socket
   can reach anything; no System V object or message queue another run can see; every mount
@@ -49,9 +52,10 @@ get to pass: a reward of 0, never an exception in the trainer.
 Without root the code runs as the trainer's own user, with none of the namespaces: it can read
 and change this user's files (the tests on disk included), read the trainer's memory, signal it
 and reach the network. `check` says so on stderr when the first batch runs. As root it still can
-read world-readable files (e.g. /etc, the project's source and a world-readable dataset file),
-and there is no seccomp filter or cgroup (kernel exploits and contention with the trainer are not
-prevented): use a container or a VM for code you would not run on your own machine.
+read world-readable files (e.g. /etc, the project's source, and a dataset file with its tests if
+others may read it: keep such files mode 600), and there is no cgroup and no seccomp filter
+beyond SECCOMP's few calls (kernel exploits and contention with the trainer are not prevented):
+use a container or a VM for code you would not run on your own machine.
 
 Parallel runs (`run_batch`, `verify_batch`): a thread pool of `workers` (default: the cores this
 process may use) starts the processes; identical jobs of a batch run once. Each run is
@@ -94,6 +98,9 @@ ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREA
        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # + HOME = the working directory
 TEST_FORM = "assert f(<literals>) == <literal>"
 PLAIN = (type(None), bool, int, float, str)  # and list, tuple, dict of plain values
+# seccomp: (the audit arch, the denied syscalls: add_key, request_key, keyctl, bpf, userfaultfd, perf_event_open, io_uring_*)
+SECCOMP = {"x86_64": (0xC000003E, (248, 249, 250, 321, 323, 298, 425, 426, 427)),
+           "aarch64": (0xC00000B7, (217, 218, 219, 280, 282, 241, 425, 426, 427))}
 
 
 class SandboxError(RuntimeError):
@@ -182,6 +189,17 @@ def main():
         os.setgroups([]); os.setgid(job["uid"]); os.setuid(job["uid"])
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))  # CPU: SIGXCPU, 1 s later SIGKILL
+    if job["seccomp"]:  # deny the kernel keyrings (a uid's keys outlive its runs) and a few exploit surfaces: EPERM
+        import ctypes
+        arch, denied = job["seccomp"]
+        program = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x50001),  # another ABI (int 0x80): denied
+                   (0x20, 0, 0, 0), (0x35, len(denied) + 1, 0, 0x40000000)]  # the syscall number; x32: denied
+        program += [(0x15, len(denied) - i, 0, nr) for i, nr in enumerate(denied)] + [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x50001)]
+        filters = (ctypes.c_uint64 * len(program))(*[c | jt << 16 | jf << 24 | k << 32 for c, jt, jf, k in program])
+        fprog = (ctypes.c_uint64 * 2)(len(program), ctypes.addressof(filters))  # struct sock_fprog
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, fprog, 0, 0) != 0:  # NO_NEW_PRIVS; SECCOMP_MODE_FILTER
+            send(repr_({"setup_error": "seccomp: " + os.strerror(ctypes.get_errno())}))
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     error = None
     try:
@@ -265,7 +283,7 @@ def _spawn(code, timeout, slot, tests=(), calls=None):
     try:
         job = marshal.dumps({"code": code, "tests": list(tests), "calls": calls, "uid": uid, "limits": _limits(timeout),
                              "scratch": [p for p in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(p)],
-                             "scratch_mb": SCRATCH_MB,
+                             "scratch_mb": SCRATCH_MB, "seccomp": SECCOMP.get(os.uname().machine),
                              "preload": PRELOAD if uid is not None and not _stdlib_readable() else ()})
         out_path, res_path = os.path.join(private, "output"), os.path.join(private, "report")
         with open(out_path, "wb") as out, open(res_path, "wb") as res:

@@ -221,6 +221,10 @@ MUTANTS = [
            "libc.unshare(0x40000000 | 0x08000000 | 0x00020000)",
            "libc.unshare(0x40000000 | 0x00020000)",
            [T + "test_sandbox_attacks.py::test_system_v_shared_memory_does_not_reach_the_next_run"]),
+    Mutant("sandbox_keyrings_allowed", "rlhf/sandbox.py",
+           "    if job[\"seccomp\"]:",
+           "    if False:",
+           [T + "test_sandbox_attacks.py::test_the_kernel_keyring_does_not_reach_the_next_run"]),
     # ---------------------------------------------------------------- dpo.py
     Mutant("dpo_sigmoid_sign", "dpo.py",
            "losses = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)",

@@ -166,6 +166,22 @@ def test_system_v_shared_memory_does_not_reach_the_next_run():
     assert rewards(sandbox.exec_tests, [reader]) == [0.0]
 
 
+def test_the_kernel_keyring_does_not_reach_the_next_run():
+    """A uid's user keyring outlives its processes, and the next run on the pool slot has the same
+    uid: the keyring system calls are denied (seccomp)."""
+    keyctl = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    writer = keyctl + ("libc.syscall(*KEYS.get('add_key'), b'user', b'answers', b'4003', 4, ctypes.c_int(-4))\n"
+                       "def f(x):\n    return 4 * x + 3")
+    reader = keyctl + ("key = libc.syscall(*KEYS.get('keyctl'), 10, ctypes.c_int(-4), b'user', b'answers', 0)\n"
+                       "buf = ctypes.create_string_buffer(4)\n"
+                       "read = libc.syscall(*KEYS.get('keyctl'), 11, key, buf, 4) if key > 0 else -1\n"
+                       "def f(x):\n    return int(buf.raw) if read == 4 else None")
+    numbers = {"x86_64": {"add_key": 248, "keyctl": 250}, "aarch64": {"add_key": 217, "keyctl": 219}}[os.uname().machine]
+    keys = f"KEYS = {{k: (v,) for k, v in {numbers!r}.items()}}\n"
+    assert rewards(sandbox.exec_tests, [keys + writer]) == [1.0]
+    assert rewards(sandbox.exec_tests, [keys + reader]) == [0.0]
+
+
 @pytest.mark.parametrize("tests", ["", "   \n", "# assert f(1) == 7", [], ["assert f(1) == 7", ""], "pass",
                                    "assert f(1)", "assert f(1) != 7", "assert f(1) == 7, 'why'", "assert g(x) == 1",
                                    "assert f(*[1]) == 7", "assert f(**{'x': 1}) == 7", "assert f.g(1) == 7",
