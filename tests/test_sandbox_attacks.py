@@ -213,7 +213,8 @@ def frame(body):
     frame(b"{'error': None, 'results': [('value', __import__('os'))]}"),  # no literal
     frame(b"[" * 200000 + b"]" * 200000),  # deeper than the parser goes
     b"99999999999\n" + b"1" * 10,  # a length beyond any report
-], ids=["nothing", "torn", "two frames", "no literal", "too deep", "too long"])
+    b"3\n[1, 2]",  # a literal, but not the length its header says
+], ids=["nothing", "torn", "two frames", "no literal", "too deep", "too long", "wrong length"])
 def test_a_forged_or_torn_report_is_no_report(report):
     assert sandbox._frame(report) is None
     assert sandbox._frame(frame(b"{'error': None, 'results': [('value', (1, [2.5]))]}")) == {"error": None, "results": [("value", (1, [2.5]))]}
