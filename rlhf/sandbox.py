@@ -50,8 +50,8 @@ An error in the code (syntax, exception, exit, crash, timeout, limit) fails the 
 get to pass: a reward of 0, never an exception in the trainer.
 
 Without root the code runs as the trainer's own user, with none of the namespaces: it can read
-and change this user's files (the tests on disk included), read the trainer's memory, signal it
-and reach the network. `check` says so on stderr when the first batch runs. As root it still can
+and change this user's files (the tests on disk included), leave files in /tmp that a later run
+reads, read the trainer's memory, signal it and reach the network. `check` says so on stderr when the first batch runs. As root it still can
 read world-readable files (e.g. /etc, the project's source, and a dataset file with its tests if
 others may read it: keep such files mode 600), and there is no cgroup and no seccomp filter
 beyond SECCOMP's few calls (kernel exploits and contention with the trainer are not prevented):
@@ -399,8 +399,9 @@ def verify(code, tests, timeout=TIMEOUT, slot=0):
 _checked = set()  # (euid, executable) pairs whose set-up worked
 _check_lock = threading.Lock()
 UNPROTECTED = ("sandbox: not running as root, so generated code runs as this user, without the namespaces: it can read "
-               "and change this user's files (the tests on disk included), read the trainer's memory, signal it and "
-               "reach the network (sandbox.py); run as root, e.g. in a container, for a verifier the code cannot fool.")
+               "and change this user's files (the tests on disk included), leave files in /tmp for a later run to "
+               "read, read the trainer's memory, signal it and reach the network (sandbox.py); run as root, e.g. in a "
+               "container, for a verifier the code cannot fool.")
 
 
 def check():
