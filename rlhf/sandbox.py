@@ -90,7 +90,7 @@ FILE_SIZE_MB = 4  # RLIMIT_FSIZE: the largest file the child may write (its capt
 SCRATCH_MB = 16  # as root: the size of each private tmpfs (/tmp, /var/tmp, /dev/shm)
 OPEN_FILES = 32  # RLIMIT_NOFILE
 OUTPUT_CHARS = 2000  # characters of the code's output kept in Result.output
-REPORT_BYTES = 1 << 20  # a larger report fails every test (values are small)
+REPORT_BYTES = 1 << 16  # a larger report is no report; verify adds room for the expected values (parsing costs the trainer)
 UID_BASE, UID_RANGE = 61000, 4096  # as root, runs take uids in UID_BASE..UID_BASE+UID_RANGE-1 (no user may hold one)
 MAX_WORKERS = 64  # pool slots per process
 PRELOAD = ("math", "itertools", "heapq", "bisect")  # see _stdlib_readable; cheap ones: each costs every run start-up time
@@ -274,7 +274,7 @@ def _frame(raw):
         return None
 
 
-def _spawn(code, timeout, slot, tests=(), calls=None):
+def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES):
     """One run: (status, report or None, output). `calls` None: run `tests` as statements.
     Nothing the child writes outlives it (as root its only writable places are its tmpfs)."""
     private = tempfile.mkdtemp(prefix="sandbox-io-")  # ours (mode 700): its output and report files
@@ -307,12 +307,12 @@ def _spawn(code, timeout, slot, tests=(), calls=None):
         with open(out_path, "rb") as f:
             output = f.read(OUTPUT_CHARS).decode("utf-8", "replace")
         with open(res_path, "rb") as f:
-            raw = f.read(REPORT_BYTES + 1)
+            raw = f.read(report_bytes + 1)
     finally:
         shutil.rmtree(private, ignore_errors=True)
         if workdir != private:
             shutil.rmtree(workdir, ignore_errors=True)
-    report = _frame(raw) if len(raw) <= REPORT_BYTES else None
+    report = _frame(raw) if len(raw) <= report_bytes else None
     # RLIMIT_CPU is the wall limit's ceiling: a busy loop can reach it (SIGXCPU) just before the deadline
     if timed_out or proc.returncode == -signal.SIGXCPU:
         return "timeout", None, output
@@ -377,7 +377,9 @@ def verify(code, tests, timeout=TIMEOUT, slot=0):
     """Run `code` and the calls of `tests` (parse_test's lists of pairs) in a fresh limited
     process; a test passes when every call of it returned exactly its expected value -> Result."""
     calls = [call for pairs in tests for call, _ in pairs]
-    status, report, output = _spawn(code, timeout, slot, calls=calls)
+    # a report longer than the right values' (plus room for errors) cannot pass: not parsed
+    room = REPORT_BYTES + 400 * len(calls) + 2 * sum(len(repr(expected)) for pairs in tests for _, expected in pairs)
+    status, report, output = _spawn(code, timeout, slot, calls=calls, report_bytes=room)
     results = report.get("results") if status != "crashed" and report else None
     if status == "ok" and not (type(results) is list and len(results) == len(calls)):
         status, output = "crashed", output + "\n[the report does not hold one result per call]"

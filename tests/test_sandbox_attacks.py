@@ -229,3 +229,12 @@ def test_without_root_the_verifier_says_what_is_not_isolated_and_still_scores(mo
     monkeypatch.setattr(sandbox, "_checked", set())
     assert rewards(sandbox.exec_tests, [CORRECT["plain"], ATTACKS["always-true __eq__"]]) == [1.0, 0.0]
     assert "sandbox: not running as root" in capsys.readouterr().err
+
+
+def test_a_value_longer_than_the_expected_ones_is_not_parsed():
+    """The trainer parses at most the expected values' length (twice) plus room for errors: a
+    wrong 1 MB value costs it nothing, a right long value still passes."""
+    long = "def f(n):\n    return list(range(n))"
+    assert sandbox.exec_tests(None, [long] * 2, tests=[[f"assert f(20000) == {list(range(20000))}"], ["assert f(200000) == []"]]) == [1.0, 0.0]
+    result = sandbox.verify(long, [sandbox.parse_test("assert f(200000) == []")])
+    assert result.status == "crashed"
