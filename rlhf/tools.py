@@ -12,8 +12,8 @@ Read top to bottom:
    (and Hermes-style) chat templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
    any number of them, anywhere in the turn. Anything else between the tags is a malformed call.
 3. `execute(calls, tools)`: every call runs in sandbox.py's limited subprocess (the execution
-   verifier's limits: rlimits, no network and an unprivileged uid as root, a fresh temporary
-   directory, the process group killed after `timeout` seconds): the tool's file is run there
+   verifier's limits: rlimits; as root no network, every mount read-only but a private /tmp, and
+   an unprivileged uid; the process group killed after `timeout` seconds): the tool's file is run there
    again, then the call, and `str()` of what it returns is the reply. So a tool imports the
    standard library only (the sandbox's interpreter runs with -S; as root, where the dropped uid
    cannot read the standard library, only the modules of sandbox.PRELOAD), holds no state between calls,
