@@ -191,6 +191,9 @@ def check_output_dir(args):
                     "delete) the model it starts from; pass another --output_dir (or --resume to continue that run).")
     if args.estimate_memory:
         return
+    if os.path.islink(args.output_dir) and not os.path.exists(args.output_dir):  # makedirs cannot create it
+        basics.fail(f"--output_dir {args.output_dir} is a link to {os.readlink(args.output_dir)}, which does not exist; "
+                    "create that folder, remove the link, or pass another --output_dir.")
     if not (resuming or args.overwrite_output_dir) and (held := run_outputs(args.output_dir)):
         basics.fail(f"--output_dir {args.output_dir} holds another run's {describe_outputs(held)} ({', '.join(held[:4])}); "
                     "pass --resume to continue that run, --overwrite_output_dir to replace it, or another --output_dir.")
@@ -251,6 +254,8 @@ def delete_old_checkpoints(output_dir, limit):
 
 
 def _save_folder(model, tokenizer, args, folder, state, state_dict):
+    from safetensors import SafetensorError  # what save_pretrained's safetensors writer raises on a full disk
+
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -263,7 +268,7 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
             json.dump(vars(args), f, indent=2)
         if state is not None:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    except (OSError, RuntimeError) as e:  # a full disk, a folder made read-only: torch.save says RuntimeError
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a read-only folder (torch.save: RuntimeError)
         free = shutil.disk_usage(os.path.dirname(tmp) or ".").free  # before the half-written copy goes
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else str(e)[:200])
