@@ -174,8 +174,9 @@ def test_a_tools_file_that_fails_at_import_is_one_sentence(tmp_path, tiny_qwen, 
 # ------------------------------------------------------------------ flags and folders
 def test_a_huge_seed_is_one_sentence_before_anything_loads(tmp_path, tiny_qwen, files, monkeypatch, capsys):
     for seed in ("99999999999999999999", "-1"):
-        message = main_error(grpo, tiny_grpo(tiny_qwen, files, "--seed", seed, "--output_dir", str(tmp_path / "o")),
-                             monkeypatch, capsys)
+        argv = tiny_grpo(tiny_qwen, files, "--reward_fn", f"{files['r.py']}:length", "--seed", seed, "--output_dir",
+                         str(tmp_path / "o"))
+        message = main_error(grpo, argv, monkeypatch, capsys)
         assert f"--seed must be in 0..4294967295, got {seed}." in message
     assert not os.path.exists(tmp_path / "o")
 
@@ -183,7 +184,8 @@ def test_a_huge_seed_is_one_sentence_before_anything_loads(tmp_path, tiny_qwen, 
 def test_a_dangling_output_link_is_one_sentence_before_anything_loads(tmp_path, tiny_qwen, files, monkeypatch, capsys):
     link = tmp_path / "out"
     os.symlink(tmp_path / "gone", link)
-    message = main_error(grpo, tiny_grpo(tiny_qwen, files, "--output_dir", str(link)), monkeypatch, capsys)
+    argv = tiny_grpo(tiny_qwen, files, "--reward_fn", f"{files['r.py']}:length", "--output_dir", str(link))
+    message = main_error(grpo, argv, monkeypatch, capsys)
     assert f"--output_dir {link} is a link to {tmp_path / 'gone'}, which does not exist" in message
 
 
