@@ -101,7 +101,7 @@ def metrics(out):
     ("r.py:agen", "", None, "reward function agen returned a async_generator; it must return a list"),
     ("a.py:half,b.py:half", "", None, "two rewards are named 'half', and rewards/half/mean can log only one of them"),
     ("gold", "", "foreign.jsonl", "reward function gold_reward raised ValueError: the prompt holds no post of the embedded world"),
-])
+], ids=["nan_weight", "nan_weight_of_two", "dict", "set", "beyond_float32", "async_generator", "one_name", "gold_elsewhere"])
 def test_a_wrong_reward_stops_with_one_sentence(tmp_path, tiny_qwen, files, monkeypatch, capsys, reward_fn, weights,
                                                  dataset, expected):
     spec = ",".join(s if s == "gold" else os.path.join(tmp_path, s) for s in reward_fn.split(","))
@@ -137,7 +137,7 @@ def test_rewards_of_0_and_1e20_give_full_size_advantages(tmp_path, tiny_qwen, fi
     ("[" * 5000 + "]" * 5000, "the tool call cannot be read (RecursionError"),
     ('{"name": "add", "arguments": {"a": ' + "9" * 5000 + ', "b": 1}}', "the tool call cannot be read (ValueError"),
     ('{"name": "add", "arguments": "' + "[" * 5000 + '"}', 'a tool call must be {"name": <string>, "arguments": <object>}'),
-])
+], ids=["nested", "digits", "nested_arguments"])
 def test_a_tool_call_that_cannot_be_parsed_is_a_failed_call(body, expected):
     (call,) = tools.parse_tool_calls(f"<tool_call>{body}</tool_call>")
     assert isinstance(call, str) and call.startswith(expected)
@@ -161,7 +161,7 @@ def test_a_tool_that_prints_returns_its_answer(tmp_path):
     ("raise RuntimeError('no config')\n", "importing {path} raised RuntimeError: no config; fix the file"),
     ("def f(:\n", "importing {path} raised SyntaxError"),
     ("import sys\nsys.exit(3)\n", "importing {path} raised SystemExit: 3"),
-])
+], ids=["raises", "syntax", "exits"])
 def test_a_tools_file_that_fails_at_import_is_one_sentence(tmp_path, tiny_qwen, files, monkeypatch, capsys, source,
                                                           expected):
     path = tmp_path / "bad_tool.py"
