@@ -205,8 +205,8 @@ MUTANTS = [
            "if p.default is p.empty:",
            [T + "test_never_lose_a_run.py::test_an_eval_dataset_the_rewards_cannot_score_stops_before_step_1[grpo]"]),
     Mutant("resume_ignores_changed_files", "rlhf/checkpoints.py",
-           "    check_input_files(args, folder)\n    return saved",
-           "    return saved",
+           "    check_input_files(args, folder)\n    if saved.get(",
+           "    if saved.get(",
            [T + "test_never_lose_a_run.py::test_resume_refuses_a_reward_file_or_dataset_that_changed[r.py]"]),
     # ---------------------------------------------------------------- vLLM's correction, tools, the sandbox
     Mutant("grpo_is_weights_not_truncated", "grpo.py",
