@@ -36,7 +36,7 @@ from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the sc
     ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, check_hub_id, code_split, device,
     embedded_world, fail, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
 from rlhf.reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
-    REWARD_KWARGS, call_reward_fns, check_reward_columns, check_reward_names, load_eval_reward_fns, load_reward_fn,
+    REWARD_KWARGS, call_reward_fns, check_reward_data, check_reward_names, load_eval_reward_fns, load_reward_fn,
     load_reward_fns, parse_reward_weights, weighted_rewards)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here

@@ -436,11 +436,10 @@ def main():
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
     # what the reward functions read is in the data they score, checked now rather than at an evaluation
     fns = [r["fn"] for r in rewards if "fn" in r]
-    common.check_reward_columns(fns, extra_columns, "--dataset", args.dataset)
+    common.check_reward_data(fns, ds, "--dataset", args.dataset)
     if eval_ds is not None:
-        eval_columns = [c for c in eval_ds.column_names if c != "prompt"]
-        common.check_reward_columns(fns, eval_columns, "--eval_dataset", args.eval_dataset, extra_columns)
-        common.check_reward_columns(eval_fns.values(), eval_columns, "--eval_dataset", args.eval_dataset)
+        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, extra_columns)
+        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)

@@ -377,11 +377,10 @@ def main():
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
     # what the reward functions read is in the data they score, checked now rather than at an evaluation
     fns = reward_fns[0] if reward_fns else []
-    common.check_reward_columns(fns, list(columns), "--dataset", args.dataset)
+    common.check_reward_data(fns, ds, "--dataset", args.dataset)
     if eval_ds is not None:
-        eval_columns = [c for c in eval_ds.column_names if c != "prompt"]
-        common.check_reward_columns(fns, eval_columns, "--eval_dataset", args.eval_dataset, list(columns))
-        common.check_reward_columns(eval_fns.values(), eval_columns, "--eval_dataset", args.eval_dataset)
+        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, list(columns))
+        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
 
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)

@@ -50,6 +50,8 @@ def load_reward_fn(spec):
     return getattr(module, name)
 
 
+# the verifiers --reward_fn names (no file): pure functions of their arguments, safe to call ahead of time
+EMBEDDED_VERIFIERS = (world.gold_reward, *world_arith.VERIFIERS.values(), *sandbox.VERIFIERS.values())
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest reward a (N, K) float32 score holds
 
 # what TRL's GRPOTrainer passes besides prompts, completions, completion_ids and the dataset's columns
@@ -186,11 +188,14 @@ def check_reward_names(names, flag, spec):
              "rename one of the functions (or pass a function once and give it a weight with --reward_weights).")
 
 
-def check_reward_columns(fns, columns, flag, dataset, trained_columns=()):
-    """Before step 1, what each reward function reads is in the data it will score (`columns`: its
-    columns besides prompt): a parameter without a default that is not one of TRL's keywords
-    needs a column of its name; one named like a column of the training data (`trained_columns`,
-    e.g. exec_tests' `tests`) reads that column, so the --eval_dataset it also scores needs it too."""
+def check_reward_data(fns, ds, flag, dataset, trained_columns=()):
+    """Before step 1, the data `ds` (a datasets.Dataset that `fns` will score, passed as `flag
+    dataset`) holds what each reward function reads: a parameter without a default that is not
+    one of TRL's keywords needs a column of its name; one named like a column of the training data
+    (`trained_columns`, e.g. exec_tests' `tests`) reads that column, so the --eval_dataset it also
+    scores needs it too. The embedded verifiers, which have no side effects, are also called on
+    the first row (gold on another world's prompt, a malformed `tests` cell: stopped now)."""
+    columns = [c for c in ds.column_names if c != "prompt"]
     for fn in fns:
         try:
             params = inspect.signature(fn).parameters.values()
@@ -203,6 +208,15 @@ def check_reward_columns(fns, columns, flag, dataset, trained_columns=()):
                 fail(f"reward function {getattr(fn, '__name__', fn)} reads the column {p.name!r}, which {flag} {dataset} "
                      f"does not have (its columns: {', '.join(['prompt', *columns])}); pass data with that column or "
                      "another reward function (checked before step 1: nothing was trained).")
+    ours = [fn for fn in fns if fn in EMBEDDED_VERIFIERS]
+    if ours and len(ds):
+        row = ds[0]
+        completion = [{"role": "assistant", "content": ""}] if isinstance(row["prompt"], list) else ""  # TRL's form
+        try:
+            call_reward_fns(ours, [row["prompt"]], [completion], columns={c: [row[c]] for c in columns}, every_row=False)
+        except SystemExit as e:
+            fail(f"{flag} {dataset} cannot be scored (checked on its first row before step 1: nothing was trained): "
+                 + str(e.code).removeprefix("error: "))
 
 
 def load_eval_reward_fns(spec, training_names=()):

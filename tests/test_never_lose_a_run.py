@@ -232,17 +232,26 @@ def test_make_demo_takes_one_integer_seed():
 
 
 # ------------------------------------------------------------------ a run's work: eval data, final save, resume
-@pytest.mark.parametrize("module", [grpo, ppo])
+@pytest.mark.parametrize("module, flags, expected", [
+    (grpo, ["--reward_fn", "exec_tests"], "reward function exec_tests reads the column 'tests', which --eval_dataset "
+                                          "{eval} does not have (its columns: prompt)"),
+    (ppo, ["--reward_fn", "exec_tests"], "reward function exec_tests reads the column 'tests', which --eval_dataset "
+                                         "{eval} does not have (its columns: prompt)"),
+    (grpo, ["--reward_fn", "{r}:length", "--eval_reward_fn", "gold"],
+     "--eval_dataset {eval} cannot be scored (checked on its first row before step 1: nothing was trained): reward "
+     "function gold_reward raised ValueError: the prompt holds no post of the embedded world"),
+], ids=["grpo", "ppo", "gold"])
 def test_an_eval_dataset_the_rewards_cannot_score_stops_before_step_1(tmp_path, tiny_qwen, files, monkeypatch, capsys,
-                                                                      module):
-    """exec_tests reads the training data's `tests` column; an --eval_dataset without it was found
-    only at the final evaluation, which then stopped the run before the final save."""
+                                                                      module, flags, expected):
+    """exec_tests reads the training data's `tests` column, gold only the embedded world's posts: an
+    --eval_dataset without them was found only at the final evaluation, which then stopped the run
+    before the final save."""
     out = tmp_path / "out"
-    argv = tiny_grpo(tiny_qwen, files, "--reward_fn", "exec_tests", "--eval_dataset", files["eval.jsonl"],
+    eval_data = files["foreign.jsonl"] if "gold" in flags else files["eval.jsonl"]
+    argv = tiny_grpo(tiny_qwen, files, *[f.format(r=files["r.py"]) for f in flags], "--eval_dataset", eval_data,
                      "--output_dir", str(out), module=module)
     message = main_error(module, argv, monkeypatch, capsys)
-    assert (f"reward function exec_tests reads the column 'tests', which --eval_dataset {files['eval.jsonl']} does not "
-            "have (its columns: prompt)") in message
+    assert expected.format(eval=eval_data) in message
     assert not os.path.exists(out / "metrics.jsonl")  # no step was trained
 
 
