@@ -27,6 +27,10 @@ SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2
 SFT_THREADS ?= 2
+# each one integer: SEED="0 1" would be read as seed 0 (runs/) and replace the seed-0 demo stage by stage
+one_integer = $(if $(shell echo '$($(1))' | grep -Ex '[0-9]+'),,$(error $(1)="$($(1))" is not one integer: pass one, e.g. $(1)=1$(if $(filter SEED,$(1)), $(several_seeds))))
+several_seeds = (for several seeds: one make demo per seed)
+$(foreach name,SEED JOBS SFT_THREADS,$(call one_integer,$(name)))
 DEMO_STAGES = demo-reward demo-dpo demo-ppo demo-grpo_rm demo-dpo_online demo-grpo demo-ppo_gold
 .PHONY: demo-sft $(DEMO_STAGES) demo-eval
 demo: install

@@ -160,8 +160,11 @@ def nanstd(x, dim=None, keepdim=False):
     completions no reward function applied to are left out."""
     dims = dim if dim is not None else tuple(range(x.dim()))
     count = (~x.isnan()).sum(dims, keepdim=True)
-    var = ((x - x.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=True) / (count - 1)
-    return var.sqrt() if keepdim else var.sqrt().squeeze(dims)
+    # squared in float64: float32's squares overflow past |r| ~ 1e19 (rewards 0 and 1e20: std inf, every A = 0)
+    x64 = x.double()
+    var = ((x64 - x64.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=True) / (count - 1)
+    std = var.sqrt().to(x.dtype)
+    return std if keepdim else std.squeeze(dims)
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
@@ -169,13 +172,13 @@ def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=
     completions: (N,) -> (N,). A group whose rewards are all equal gets A = 0 (no gradient).
     `batch_std`: the reward std of the whole batch (default: of these rewards). A NaN reward (no
     reward function applied) is left out of the mean and std, and its advantage is 0 (TRL)."""
-    grouped = rewards.view(-1, num_generations)  # (B, G)
+    grouped = rewards.double().view(-1, num_generations)  # (B, G); float64: sums of rewards near 1e38 overflow float32
     advantages = grouped - grouped.nanmean(1, keepdim=True)
     if scale_rewards == "group":  # DeepSeekMath: each group's own std (unbiased, as torch.std)
         advantages = advantages / (nanstd(grouped, 1, keepdim=True) + ADV_EPS)
     elif scale_rewards == "batch":  # one std for the whole batch: keeps easy groups' small gaps small
         advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + ADV_EPS)
-    return advantages.reshape(-1).nan_to_num(0.0)  # (N,)
+    return advantages.reshape(-1).nan_to_num(0.0).to(rewards.dtype)  # (N,)
 
 
 def batch_advantages(rewards, num_generations, scale_rewards):
@@ -304,8 +307,10 @@ def load_rewards(args):
     for path in paths:
         model, tokenizer = common.load_reward_model(path, args)
         rewards.append({"name": os.path.basename(path.rstrip("/")), "model": model, "tokenizer": tokenizer})
+    names = [r["name"] for r in rewards]
+    common.check_reward_names(names, "--reward_fn / --reward_model", ",".join(specs + paths))
     # weights: r = sum_k w_k r_k, before the group normalisation (as TRL's reward_weights)
-    return rewards, common.parse_reward_weights(args.reward_weights, [r["name"] for r in rewards])
+    return rewards, common.parse_reward_weights(args.reward_weights, names)
 
 
 @torch.no_grad()
@@ -429,6 +434,12 @@ def main():
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
+    # what the reward functions read is in the data they score, checked now rather than at an evaluation
+    fns = [r["fn"] for r in rewards if "fn" in r]
+    common.check_reward_data(fns, ds, "--dataset", args.dataset)
+    if eval_ds is not None:
+        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, extra_columns)
+        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
@@ -596,7 +607,7 @@ def main():
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
                     **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
                     "advantage": advantages, **extra})  # extra: the reward functions' log_extra columns
-        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+        if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
@@ -604,9 +615,12 @@ def main():
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
 
-    # ---- final save and evaluation
-    logger.close()
+    # ---- final save, then the final evaluation: an evaluation that fails never costs the trained model
     checkpoints.save_final(model, tokenizer, args)
+    if eval_ds is not None and args.max_steps > start_step:
+        eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, args.max_steps)
+        logger.log_eval(args.max_steps, eval_metrics)
+    logger.close()
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
