@@ -70,7 +70,7 @@ def files(tmp_path):
         with open(tmp_path / name, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    write("prompts.jsonl", [{"prompt": f"POST: bob sold the car {i} . TL;DR:", "bonus": i, "tests": ["assert True"]}
+    write("prompts.jsonl", [{"prompt": f"POST: bob sold the car {i} . TL;DR:", "bonus": i, "tests": ["assert f(1) == 1"]}
                             for i in range(8)])
     write("eval.jsonl", [{"prompt": f"POST: alice bought the bike {i} . TL;DR:"} for i in range(3)])
     write("foreign.jsonl", [{"prompt": f"POST: i think the {i} . TL;DR:"} for i in range(8)])
@@ -275,7 +275,7 @@ def test_resume_refuses_a_reward_file_or_dataset_that_changed(tmp_path, tiny_qwe
     run_main(grpo, argv, monkeypatch)
     with open(files[changed], "a") as f:  # rewards 0.5 -> 50.0, a dataset rewritten: new content, same name
         f.write("\n# edited\n" if changed == "r.py" else json.dumps({"prompt": "POST: carol fixed the lamp . TL;DR:",
-                                                                     "bonus": 9, "tests": ["assert True"]}) + "\n")
+                                                                     "bonus": 9, "tests": ["assert f(1) == 1"]}) + "\n")
     resumed = [*argv, "--resume", "--max_steps", "2"]
     message = main_error(grpo, resumed, monkeypatch, capsys)
     assert (f"{files[changed]} (--{'reward_fn' if changed == 'r.py' else 'dataset'}) is not the file "
