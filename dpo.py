@@ -88,7 +88,7 @@ class Args(SamplingArgs):
     precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
     online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
-    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions, file.py:function (or 'gold'), called by keyword as TRL calls them (README)."})
+    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions, file.py:function (or 'gold'), called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the judge's score is the weighted sum over the functions that do not return None."})
     # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})

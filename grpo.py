@@ -89,7 +89,7 @@ Run:
     python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools worlds/calculator.py:add \
         --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0   # tool calls (make demo-tools)
     python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
-    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
+    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; docs/vllm.md)
     python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
 """
 
@@ -122,7 +122,7 @@ class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (README). Default: gold when no --reward_model is given."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (docs/usage.md). Default: gold when no --reward_model is given."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
     eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside a --reward_model: Gao et al. 2022's gold score)."})
@@ -160,8 +160,11 @@ def nanstd(x, dim=None, keepdim=False):
     completions no reward function applied to are left out."""
     dims = dim if dim is not None else tuple(range(x.dim()))
     count = (~x.isnan()).sum(dims, keepdim=True)
-    var = ((x - x.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=True) / (count - 1)
-    return var.sqrt() if keepdim else var.sqrt().squeeze(dims)
+    # squared in float64: float32's squares overflow past |r| ~ 1e19 (rewards 0 and 1e20: std inf, every A = 0)
+    x64 = x.double()
+    var = ((x64 - x64.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=True) / (count - 1)
+    std = var.sqrt().to(x.dtype)
+    return std if keepdim else std.squeeze(dims)
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
@@ -169,13 +172,13 @@ def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=
     completions: (N,) -> (N,). A group whose rewards are all equal gets A = 0 (no gradient).
     `batch_std`: the reward std of the whole batch (default: of these rewards). A NaN reward (no
     reward function applied) is left out of the mean and std, and its advantage is 0 (TRL)."""
-    grouped = rewards.view(-1, num_generations)  # (B, G)
+    grouped = rewards.double().view(-1, num_generations)  # (B, G); float64: sums of rewards near 1e38 overflow float32
     advantages = grouped - grouped.nanmean(1, keepdim=True)
     if scale_rewards == "group":  # DeepSeekMath: each group's own std (unbiased, as torch.std)
         advantages = advantages / (nanstd(grouped, 1, keepdim=True) + ADV_EPS)
     elif scale_rewards == "batch":  # one std for the whole batch: keeps easy groups' small gaps small
         advantages = advantages / ((nanstd(rewards) if batch_std is None else batch_std) + ADV_EPS)
-    return advantages.reshape(-1).nan_to_num(0.0)  # (N,)
+    return advantages.reshape(-1).nan_to_num(0.0).to(rewards.dtype)  # (N,)
 
 
 def batch_advantages(rewards, num_generations, scale_rewards):
@@ -304,8 +307,10 @@ def load_rewards(args):
     for path in paths:
         model, tokenizer = common.load_reward_model(path, args)
         rewards.append({"name": os.path.basename(path.rstrip("/")), "model": model, "tokenizer": tokenizer})
+    names = [r["name"] for r in rewards]
+    common.check_reward_names(names, "--reward_fn / --reward_model", ",".join(specs + paths))
     # weights: r = sum_k w_k r_k, before the group normalisation (as TRL's reward_weights)
-    return rewards, common.parse_reward_weights(args.reward_weights, [r["name"] for r in rewards])
+    return rewards, common.parse_reward_weights(args.reward_weights, names)
 
 
 @torch.no_grad()
@@ -386,7 +391,7 @@ def main():
                     "so a checkpoint never falls inside a rollout's reuse.")
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
     parallel.init_distributed()  # under torchrun: join the process group (only rank 0 prints); a no-op otherwise
-    # a config ported from TRL means other things by these two (README, "Coming from TRL")
+    # a config ported from TRL means other things by these two (docs/trl.md)
     B = args.batch_size
     if common.passed("batch_size"):
         print(f"{script}: note: a micro-batch here is --batch_size {B} prompts x --num_generations {G} = {B * G} "
@@ -428,6 +433,12 @@ def main():
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
+    # what the reward functions read is in the data they score, checked now rather than at an evaluation
+    fns = [r["fn"] for r in rewards if "fn" in r]
+    common.check_reward_data(fns, ds, "--dataset", args.dataset)
+    if eval_ds is not None:
+        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, extra_columns)
+        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
@@ -595,7 +606,7 @@ def main():
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
                     **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
                     "advantage": advantages, **extra})  # extra: the reward functions' log_extra columns
-        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+        if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
@@ -603,9 +614,12 @@ def main():
                                    checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
 
-    # ---- final save and evaluation
-    logger.close()
+    # ---- final save, then the final evaluation: an evaluation that fails never costs the trained model
     checkpoints.save_final(model, tokenizer, args)
+    if eval_ds is not None and args.max_steps > start_step:
+        eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, args.max_steps)
+        logger.log_eval(args.max_steps, eval_metrics)
+    logger.close()
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
     summary = {"train_seconds": train_seconds,
                "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),

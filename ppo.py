@@ -62,7 +62,7 @@ Run:
     python ppo.py --eval_dataset embedded --eval_steps 5 --eval_reward_fn gold   # the gold score of greedy test completions every 5 steps
     python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
     torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
-    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; README "Rollouts with vLLM")
+    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; docs/vllm.md)
 """
 
 import dataclasses
@@ -90,7 +90,7 @@ EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_
 class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (README)."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the score is the weighted sum over the functions that do not return None."})
     eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside the reward model: Gao et al. 2022's gold score)."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
@@ -136,10 +136,11 @@ def minibatch_tokens(masks):
 def masked_whiten(x, mask, shift_mean=True):
     """(x - mean) / std over the masked entries of the global batch (every rank's rows under
     torchrun); without shift_mean the mean is added back."""
+    dtype, x, mask = x.dtype, x.double(), mask.double()  # float64: float32's squares overflow past ~1e19 (var inf, A = 0)
     count = parallel.all_reduce(mask.sum(), "sum").clamp(min=1)
     mean = parallel.all_reduce((x * mask).sum(), "sum") / count
     var = parallel.all_reduce(((x - mean) ** 2 * mask).sum(), "sum") / count
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    whitened, mean = ((x - mean) * torch.rsqrt(var + 1e-8)).to(dtype), mean.to(dtype)
     return whitened if shift_mean else whitened + mean
 
 
@@ -374,6 +375,12 @@ def main():
     data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     reward_fns = common.load_reward_fns(args.reward_fn, args.reward_weights) if args.reward_fn else None
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
+    # what the reward functions read is in the data they score, checked now rather than at an evaluation
+    fns = reward_fns[0] if reward_fns else []
+    common.check_reward_data(fns, ds, "--dataset", args.dataset)
+    if eval_ds is not None:
+        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, list(columns))
+        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
 
     # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -519,7 +526,7 @@ def main():
         # ---- log (means over the --logging_steps window), evaluate and save
         lengths = mask.sum(1)
         logger.update({
-            "reward": scores.mean(), "reward_std": scores.std(),
+            "reward": scores.mean(), "reward_std": scores.double().std(),
             "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
             "kl": kl.sum(1).mean(), **tracking.mean_metrics(stats),
             "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
@@ -533,7 +540,7 @@ def main():
                 texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
                 tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
                                        {"score": scores, "kl": kl.sum(1), **reward_logs["extra"]})
-        if eval_ds is not None and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
+        if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, eval_fns,
                                     args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
@@ -544,9 +551,14 @@ def main():
         final.update(final_reward=parallel.all_reduce(float(scores.mean())), final_kl=parallel.all_reduce(float(kl.sum(1).mean())))
         del batch, advantages, returns, rewards
 
-    # ---- final save and evaluation
-    logger.close()
+    # ---- final save, then the final evaluation: an evaluation that fails never costs the trained model
     checkpoints.save_final(policy, tokenizer, args)
+    if eval_ds is not None and args.max_steps > start_step:
+        eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, eval_fns,
+                                args, args.max_steps)
+        logger.log_eval(args.max_steps, eval_metrics)
+        final.update(eval_metrics)
+    logger.close()
     if truncated_counts["completions_truncated"]:
         print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")

@@ -23,7 +23,7 @@ sft.py, reward.py, ppo.py, dpo.py, grpo.py, or your fork of one.
 Run:
     python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16                       # 9 runs
     python sweep.py grpo.py --seeds 0,1,2 --num_generations 4,8,16 --batch_size 16,8,4 --zip \\
-        --output_dir runs/group_size -- --model runs/sft --max_steps 80                   # STUDIES.md
+        --output_dir runs/group_size -- --model runs/sft --max_steps 80                   # docs/studies.md
     python sweep.py my_grpo.py --seeds 0,1,2 -- --model runs/sft                         # a fork
 """
 
@@ -69,9 +69,16 @@ def parse(argv):
         else:
             axes.append((flag, values))
         i += 2
+    def name(arg):  # --flag, --flag=value and --flag-with-dashes name one flag
+        return arg.split("=")[0].replace("-", "_")
+
+    swept = {name(flag) for flag, _ in axes}
     for arg in fixed:
-        if arg in ("--seed", "--output_dir"):
+        if name(arg) in ("__seed", "__output_dir"):
             fail(f"{arg} after '--': the sweep sets it for every run (--seeds, and --output_dir before '--').")
+        if arg.startswith("--") and name(arg) in swept:  # the script takes the last value: every setting would run alike
+            fail(f"{arg.split('=')[0]} is an axis of the sweep and is repeated after '--', where it would override the "
+                 "swept values in every run: pass it on one side only.")
     if zipped and len({len(v) for _, v in axes}) > 1:
         fail("--zip needs the same number of values on every axis: " + ", ".join(f"{f} has {len(v)}" for f, v in axes))
     return script, seeds, axes, zipped, output_dir, fixed

@@ -30,7 +30,7 @@ _LOCK = None  # the open <output_dir>/.lock of this process, held until the run 
 RUN_FILES = {"config.json", "generation_config.json", "args.json", "summary.json", "metrics.jsonl", "completions.jsonl",
              "memory.json", "sweep.json", "trainer_state.pt", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
-             "merges.txt", "tokenizer.model", "adapter_config.json", "adapter", "final.tmp", "wandb"}
+             "merges.txt", "tokenizer.model", "adapter_config.json", "adapter", "final.tmp", "wandb", "input_hashes.json"}
 RUN_PATTERN = r"checkpoint-\d+(\.tmp|\.old|\.abandoned)?|.*\.safetensors(\.index\.json)?|events\.out\.tfevents\..*|.*\.json\.tmp"
 
 
@@ -191,6 +191,9 @@ def check_output_dir(args):
                     "delete) the model it starts from; pass another --output_dir (or --resume to continue that run).")
     if args.estimate_memory:
         return
+    if os.path.islink(args.output_dir) and not os.path.exists(args.output_dir):  # makedirs cannot create it
+        basics.fail(f"--output_dir {args.output_dir} is a link to {os.readlink(args.output_dir)}, which does not exist; "
+                    "create that folder, remove the link, or pass another --output_dir.")
     if not (resuming or args.overwrite_output_dir) and (held := run_outputs(args.output_dir)):
         basics.fail(f"--output_dir {args.output_dir} holds another run's {describe_outputs(held)} ({', '.join(held[:4])}); "
                     "pass --resume to continue that run, --overwrite_output_dir to replace it, or another --output_dir.")
@@ -251,6 +254,8 @@ def delete_old_checkpoints(output_dir, limit):
 
 
 def _save_folder(model, tokenizer, args, folder, state, state_dict):
+    from safetensors import SafetensorError  # what save_pretrained's safetensors writer raises on a full disk
+
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -261,10 +266,12 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
             tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
+        with open(os.path.join(tmp, "input_hashes.json"), "w") as f:  # what --resume checks the files against
+            json.dump(input_hashes(args), f, indent=2)
         if state is not None:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         share_like_the_others(tmp)
-    except (OSError, RuntimeError) as e:  # a full disk, a folder made read-only: torch.save says RuntimeError
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a read-only folder (torch.save: RuntimeError)
         free = shutil.disk_usage(os.path.dirname(tmp) or ".").free  # before the half-written copy goes
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(e, "strerror", None) or (f"the disk is full: {free} bytes free" if free < 1 << 20 else basics.brief(e, 200))
@@ -479,6 +486,57 @@ RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_outp
                "learning_rate", "max_grad_norm", "log_completions", "num_completions_to_print"}
 
 
+_HASHES = {}  # (path, size, mtime) -> sha256: a file is read once per process while it is unchanged
+
+
+def input_hashes(args):
+    """{flag: {path: sha256}} of the files the run's flags name (a --dataset file, the file.py of
+    a --reward_fn or --tools, ...; folders are not hashed): a resume refuses files whose content
+    changed since the checkpoint (check_resume_args), as it refuses a changed flag."""
+    import hashlib
+
+    hashes = {}
+    for flag, value in sorted(vars(args).items()):
+        if flag in RESUME_FREE or not isinstance(value, str):
+            continue
+        for part in value.split(","):
+            path = part if os.path.isfile(part) else part.rpartition(":")[0]  # file.py:function names file.py
+            if not path or not os.path.isfile(path):
+                continue
+            st = os.stat(path)
+            key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+            if key not in _HASHES:
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+                _HASHES[key] = digest.hexdigest()
+            hashes.setdefault(flag, {})[path] = _HASHES[key]
+    return hashes
+
+
+def check_input_files(args, folder):
+    """Refuse a resume when a file the flags name (input_hashes) changed content since `folder`
+    was saved (a reward function edited mid-run, a dataset rewritten), unless --resume_allow_changes."""
+    path = os.path.join(folder, "input_hashes.json")
+    if not os.path.isfile(path):  # a checkpoint from before the hashes were recorded
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        basics.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
+    now = input_hashes(args)
+    changed = [(flag, file) for flag, files in saved.items() for file, digest in files.items()
+               if now.get(flag, {}).get(file) != digest]
+    for flag, file in changed:
+        if not getattr(args, "resume_allow_changes", False):
+            basics.fail(f"{file} (--{flag}) is not the file {folder} was trained with (its content "
+                        f"{'changed' if os.path.isfile(file) else 'is gone'}); the resumed run would not end where the "
+                        "interrupted one would. Restore the file, or add --resume_allow_changes to continue anyway.")
+        print(f"resume: {file} (--{flag}) changed since {folder} was saved (--resume_allow_changes).")
+
+
 def check_resume_args(args, folder, step):
     """Refuse a resume whose arguments differ from the checkpoint's args.json in a way that breaks
     "ends where an uninterrupted run ends" (data, batch sizes, seed, model, rewards, optimizer,
@@ -505,6 +563,7 @@ def check_resume_args(args, folder, step):
              "--resume_allow_changes to continue anyway.")
     for k in changed:
         print(f"resume: --{k} {ours[k]!r} replaces {saved[k]!r} (--resume_allow_changes).")
+    check_input_files(args, folder)
     if saved.get("max_steps", args.max_steps) != args.max_steps:
         print(f"resume: --max_steps {args.max_steps} replaces {saved['max_steps']}; a decaying --lr_scheduler_type "
               "stretches to the new length from the current step.")

@@ -7,8 +7,10 @@ run with the prompt and completion that caused it.
 """
 
 import asyncio
+import collections.abc
 import importlib.util
 import inspect
+import math
 import os
 import types
 
@@ -47,6 +49,10 @@ def load_reward_fn(spec):
         fail(f"--reward_fn {spec!r}: {path} defines no function {name!r}.")
     return getattr(module, name)
 
+
+# the verifiers --reward_fn names (no file): pure functions of their arguments, safe to call ahead of time
+EMBEDDED_VERIFIERS = (world.gold_reward, *world_arith.VERIFIERS.values(), *sandbox.VERIFIERS.values())
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest reward a (N, K) float32 score holds
 
 # what TRL's GRPOTrainer passes besides prompts, completions, completion_ids and the dataset's columns
 REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -117,6 +123,12 @@ def call_reward_fns(fns, prompts, completions, completion_ids=None, columns=None
     # one finite real number per completion, or None (-> NaN)
     scores = torch.full((len(prompts), len(fns)), float("nan"))  # (N, K)
     for k, out in enumerate(outputs):
+        # one value per completion, in order: a dict or a set would give its keys, a string its characters
+        if isinstance(out, (collections.abc.Mapping, collections.abc.Set, str, bytes)) or inspect.isasyncgen(out) or (
+                out is not None and not isinstance(out, collections.abc.Iterable)):
+            fail(f"reward function {names[k]} returned a {type(out).__name__}; it must return a list with one reward "
+                 f"per completion (a float, or None where it does not apply), in the order of `completions`"
+                 + (" (an async function returns that list; it does not yield)" if inspect.isasyncgen(out) else "") + ".")
         out = list(out) if out is not None else []
         if len(out) != len(completions):
             fail(f"reward function {names[k]} returned {len(out)} values for {len(completions)} completions.")
@@ -128,9 +140,11 @@ def call_reward_fns(fns, prompts, completions, completion_ids=None, columns=None
                 value = float(r) if not isinstance(r, (bool, str, bytes, complex)) else None
             except (TypeError, ValueError, RuntimeError):  # a list, a tensor of several values, ...
                 value = None
-            if value is None or value != value or abs(value) == float("inf"):
+            # finite, and within float32's range: rewards are held as float32 (1e39 is finite in Python, inf there)
+            if value is None or not abs(value) <= FLOAT32_MAX:
                 fail(f"reward function {names[k]} returned {r!r} for {where(i)}: {str(prompts[i])[:300]!r}; "
-                     "rewards must be finite real numbers (or None where the function does not apply).")
+                     f"rewards must be finite real numbers within float32's range (|r| <= {FLOAT32_MAX:.3g}), "
+                     "or None where the function does not apply.")
             scores[i, k] = value
     if every_row and len(fns) and scores.isnan().all(1).any():
         i = int(scores.isnan().all(1).nonzero()[0])
@@ -160,7 +174,49 @@ def load_reward_fns(specs, weights=""):
     fns = [load_reward_fn(spec) for spec in specs.split(",") if spec]
     if not fns:
         fail("--reward_fn is empty: pass gold, arith_strict, arith_lenient or file.py:function (comma-separated).")
-    return fns, parse_reward_weights(weights, [getattr(fn, "__name__", str(fn)) for fn in fns])
+    names = [getattr(fn, "__name__", str(fn)) for fn in fns]
+    check_reward_names(names, "--reward_fn", specs)
+    return fns, parse_reward_weights(weights, names)
+
+
+def check_reward_names(names, flag, spec):
+    """Every reward has its own name: rewards/<name>/mean logs each under it, and two of one name
+    would write into one metric (the last one's values only)."""
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        fail(f"{flag} {spec!r}: two rewards are named {twice!r}, and rewards/{twice}/mean can log only one of them: "
+             "rename one of the functions (or pass a function once and give it a weight with --reward_weights).")
+
+
+def check_reward_data(fns, ds, flag, dataset, trained_columns=()):
+    """Before step 1, the data `ds` (a datasets.Dataset that `fns` will score, passed as `flag
+    dataset`) holds what each reward function reads: a parameter without a default that is not
+    one of TRL's keywords needs a column of its name; one named like a column of the training data
+    (`trained_columns`, e.g. exec_tests' `tests`) reads that column, so the --eval_dataset it also
+    scores needs it too. The embedded verifiers, which have no side effects, are also called on
+    the first row (gold on another world's prompt, a malformed `tests` cell: stopped now)."""
+    columns = [c for c in ds.column_names if c != "prompt"]
+    for fn in fns:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # no signature to read (a builtin): it takes what it is given
+            continue
+        for p in params:
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name in REWARD_KWARGS or p.name in columns:
+                continue
+            if p.default is p.empty or p.name in trained_columns:
+                fail(f"reward function {getattr(fn, '__name__', fn)} reads the column {p.name!r}, which {flag} {dataset} "
+                     f"does not have (its columns: {', '.join(['prompt', *columns])}); pass data with that column or "
+                     "another reward function (checked before step 1: nothing was trained).")
+    ours = [fn for fn in fns if fn in EMBEDDED_VERIFIERS]
+    if ours and len(ds):
+        row = ds[0]
+        completion = [{"role": "assistant", "content": ""}] if isinstance(row["prompt"], list) else ""  # TRL's form
+        try:
+            call_reward_fns(ours, [row["prompt"]], [completion], columns={c: [row[c]] for c in columns}, every_row=False)
+        except SystemExit as e:
+            fail(f"{flag} {dataset} cannot be scored (checked on its first row before step 1: nothing was trained): "
+                 + str(e.code).removeprefix("error: "))
 
 
 def load_eval_reward_fns(spec, training_names=()):
@@ -187,6 +243,9 @@ def parse_reward_weights(spec, names):
         weights = [float(w) for w in spec.split(",")]
     except ValueError:
         fail(f"--reward_weights {spec!r}: expected comma-separated numbers.")
+    # a NaN weight would make every product NaN, which the weighted sum (nansum) reads as "not applicable"
+    if not all(math.isfinite(w) for w in weights):
+        fail(f"--reward_weights {spec!r}: every weight must be a finite number (0 to log a reward without training on it).")
     if len(weights) != len(names):
         fail(f"--reward_weights has {len(weights)} values for {len(names)} rewards ({', '.join(names)}).")
     return torch.tensor(weights)

@@ -12,13 +12,13 @@ Read top to bottom:
    (and Hermes-style) chat templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
    any number of them, anywhere in the turn. Anything else between the tags is a malformed call.
 3. `execute(calls, tools)`: every call runs in sandbox.py's limited subprocess (the execution
-   verifier's limits: rlimits, no network and an unprivileged uid as root, a fresh temporary
-   directory, the process group killed after `timeout` seconds): the tool's file is run there
+   verifier's limits: rlimits; as root no network, every mount read-only but a private /tmp, and
+   an unprivileged uid; the process group killed after `timeout` seconds): the tool's file is run there
    again, then the call, and `str()` of what it returns is the reply. So a tool imports the
    standard library only (the sandbox's interpreter runs with -S; as root, where the dropped uid
    cannot read the standard library, only the modules of sandbox.PRELOAD), holds no state between calls,
-   and its reply is cut at sandbox.OUTPUT_CHARS characters (its own prints come first and are
-   dropped). A malformed call, an unknown tool, a tool that raises and one that times out are not
+   and its reply is cut at sandbox.OUTPUT_CHARS characters (its own prints are silenced, so they
+   never push the reply out of those). A malformed call, an unknown tool, a tool that raises and one that times out are not
    errors of the run: the reply is "error: <why>" and the call counts as failed
    (`tools/failure_frequency`).
 4. `tool_turn_ids`: the tokens between the model's end-of-turn token and its next turn -- the
@@ -75,7 +75,11 @@ def load_tools(spec):
             basics.fail(f"--tools {item!r}: file {path} does not exist{basics.moved(path)}.")
         module_spec = importlib.util.spec_from_file_location(f"tool_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:  # the file is executed, as `python file.py` would: only pass files you trust
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's file: name it and its error
+            basics.fail(f"--tools {item!r}: importing {path} raised {type(e).__name__}: {str(e)[:300]}; fix the file "
+                        "(it is executed when loaded) and run again.")
         fn = getattr(module, name, None)
         if not callable(fn):
             basics.fail(f"--tools {item!r}: {path} defines no function {name!r}.")
@@ -102,16 +106,21 @@ def parse_tool_calls(text):
     <tool_call>). A turn without "<tool_call>" makes no call: []."""
     calls = []
     for body in CALL.findall(text):
+        # model output never stops the run: JSON nested too deep for the parser (RecursionError) or an
+        # integer of more digits than Python converts (ValueError) is a malformed call like any other
         try:
             call = json.loads(body)
         except json.JSONDecodeError as e:
             calls.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
             continue
+        except (ValueError, RecursionError) as e:
+            calls.append(f"the tool call cannot be read ({type(e).__name__}: {str(e)[:100]})")
+            continue
         args = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 args = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(args, dict):
             calls.append('a tool call must be {"name": <string>, "arguments": <object>}')
@@ -123,7 +132,8 @@ def parse_tool_calls(text):
 
 
 # ============================================================================ 3. executing
-MARK = "\x00tool-reply\x00"  # precedes the reply in the sandbox's output; the tool's own prints come before it
+MARK = "\x00tool-reply\x00"  # precedes the reply in the sandbox's output
+SILENCE = "__import__('sys').stdout = __import__('sys').stderr = None\n"  # print() then writes nothing (its own rule)
 
 
 def execute(calls, tools, timeout=None):
@@ -141,9 +151,12 @@ def execute(calls, tools, timeout=None):
         else:
             # the file again, then the call (JSON arguments written as a Python literal: the sandbox may
             # import nothing beyond sandbox.PRELOAD); the reply goes to stdout after MARK
-            test = f"print({MARK!r} + str({call['name']}(**{call['arguments']!r})), end='')"
+            # the tool's own prints are silenced (sys.stdout = None): the sandbox keeps only the first
+            # OUTPUT_CHARS characters of the output, and a tool's chatter there would push the reply out
+            test = (f"reply = str({call['name']}(**{call['arguments']!r})); "
+                    f"__import__('sys').stdout = __import__('sys').__stdout__; print({MARK!r} + reply, end='')")
             where.append(len(replies))
-            jobs.append((by_name[call["name"]].source, [test]))
+            jobs.append((SILENCE + by_name[call["name"]].source, [test]))
             replies.append(None)
     for i, result in zip(where, sandbox.run_batch(jobs, timeout=timeout) if jobs else []):
         name = calls[i]["name"]

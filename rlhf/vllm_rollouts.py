@@ -25,7 +25,7 @@ The samples are not those of sampling.generate (another random stream). A resume
 exactly what the uninterrupted one did (tests/test_vllm.py, FSDP2 on 2 gloo ranks). Whether N
 ranks sample exactly what one rank would depends on the engine's numerics being independent of
 the batch it runs, which vLLM does not promise: on the CPU build, 2 ranks x 2 prompts and 1 rank
-x 4 prompts drew the same completions at steps 1 and 2 and 7 of rank 0's 8 at step 3 (README).
+x 4 prompts drew the same completions at steps 1 and 2 and 7 of rank 0's 8 at step 3 (docs/vllm.md).
 """
 
 import os
@@ -49,7 +49,7 @@ def check_args(args):
         import vllm  # noqa: F401
     except ImportError as e:
         basics.fail(f"--use_vllm needs vLLM ({e}): run `make vllm-env` and use .venv-vllm/bin/python "
-                    "(README, \"Rollouts with vLLM\").")
+                    "(docs/vllm.md).")
     if getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False):
         basics.fail("--use_vllm with --load_in_4bit / --load_in_8bit is not supported: the engine would need "
                     "the merged unquantised weights every step; drop one of the two.")

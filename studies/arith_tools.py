@@ -1,5 +1,5 @@
-"""studies/arith_tools.py: the arithmetic world with a calculator tool (README, "Tools: multi-turn
-rollouts in grpo.py"): accuracy with and without the tool, the share of problems where the tool is
+"""studies/arith_tools.py: the arithmetic world with a calculator tool (docs/worlds.md,
+"Tools"): accuracy with and without the tool, the share of problems where the tool is
 called, and the failure rate of the calls, per policy, with eval.py's CIs over the prompts and over
 training seeds + prompts.
 

@@ -1,4 +1,4 @@
-"""studies/beta_complexity.py: the table and plot of the beta-versus-complexity study (STUDIES.md).
+"""studies/beta_complexity.py: the table and plot of the beta-versus-complexity study (docs/studies.md).
 
 Design document, open question: "How does the distribution of prompt complexity impact the
 optimal KL penalty coefficient beta?" On the arithmetic world with both difficulty levels
@@ -12,7 +12,7 @@ per level, both CIs) and each run's metrics.jsonl (the k3 KL to the reference, w
 logs for every beta but 0, which loads no reference, and the training reward). It prints the markdown table,
 and saves the plot and the numbers.
 
-Run (after the commands of STUDIES.md):
+Run (after the commands of docs/studies.md):
     python studies/beta_complexity.py --runs runs/beta --eval runs/eval_beta
 """
 

@@ -1,4 +1,4 @@
-"""The README's per-seed table of `make demo`: for each pipeline seed's folder, the SFT policy's
+"""docs/results.md's per-seed table of `make demo`: for each pipeline seed's folder, the SFT policy's
 gold score, the reward model's test accuracy against its pairs' label ceiling and its accuracy on
 minimal pairs (reward.py's `probe_accuracy`: a reference against it with one fact left out, or
 with one fact's object or action copied wrongly), the best win rate

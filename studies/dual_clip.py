@@ -1,4 +1,4 @@
-"""STUDIES.md, claim 3 ("dual clipping prevents policy collapse"): summarise a dual-clip sweep.
+"""docs/studies.md, claim 3 ("dual clipping prevents policy collapse"): summarise a dual-clip sweep.
 
 Reads the sweep's run folders (metrics.jsonl of grpo.py or ppo.py runs, one folder per setting and
 seed) and eval.py's results.json over them, and writes one JSON: per setting, the held-out

@@ -1,5 +1,5 @@
 """studies/fp8_sim.py: run any of the scripts with FP8 (e4m3) matmuls *simulated* in every
-nn.Linear (issue #28, claim 4's open question on FP8 training; STUDIES.md). A study tool, not a
+nn.Linear (issue #28, claim 4's open question on FP8 training; docs/studies.md). A study tool, not a
 flag of the scripts: the run goes through the real script's main(), so it writes the same
 metrics.jsonl, summary.json and saved model as without the simulation.
 

@@ -1,4 +1,4 @@
-"""studies/group_size.py: the numbers, table and plot of the group-size study (STUDIES.md).
+"""studies/group_size.py: the numbers, table and plot of the group-size study (docs/studies.md).
 
 Design document, open question 1: "How do group sizes (G in {4, 8, 16}) in GRPO affect variance
 reduction versus generation latency?" Every G gets the same budget of 64 sampled completions
@@ -17,7 +17,7 @@ has zero gradient anyway) on the k-th independent batch; with K batches,
     S = ||mean g||^2 - V / K                      (squared norm of E g, unbiased)
 and V / S is the noise-to-signal ratio of one step's gradient: lower is better.
 
-Run (after the sweep and eval.py of STUDIES.md):
+Run (after the sweep and eval.py of docs/studies.md):
     python studies/group_size.py --runs runs/group_size --eval runs/eval_group_size --model runs/sft
 """
 
@@ -122,7 +122,7 @@ def read_runs(runs_dir):
                          "reward_first_half": float(np.mean([m["reward"] for m in metrics[:len(metrics) // 2]])),
                          **{key: float(np.mean([m[key] for m in metrics])) for key in ("reward_std", "frac_reward_zero_std", "grad_norm")}})
         if not rows:
-            common.fail(f"no runs for G={G} under {runs_dir}: run the sweep of STUDIES.md first.")
+            common.fail(f"no runs for G={G} under {runs_dir}: run the sweep of docs/studies.md first.")
         out[G] = rows
     return out
 
@@ -199,7 +199,7 @@ def main():
     checkpoints.write_json(a.output + ".json", {"runs": runs, "measured_at_sft": measured, "measure_seconds": measure_seconds,
                                            "eval": {k: results[k] for k in ("policies", "pairwise", "elo")}})
 
-    # the table of STUDIES.md
+    # the table of docs/studies.md
     def ci(p, key="score"):
         return (f"{p[key]:.3f} ({p[key + '_ci_low']:.3f}, {p[key + '_ci_high']:.3f}) | "
                 f"({p[key + '_seed_ci_low']:.3f}, {p[key + '_seed_ci_high']:.3f})")

@@ -1,4 +1,4 @@
-"""STUDIES.md, claim 6: how often a judge agrees with the gold judge on the same comparisons.
+"""docs/studies.md, claim 6: how often a judge agrees with the gold judge on the same comparisons.
 
 Reads two eval.py output folders made over the same policies and prompts (the second reuses the
 first's generation cache, so both judged the very same responses) and compares their verdicts

@@ -1,4 +1,4 @@
-"""An LLM judge as a reward function, in TRL's reward-function form (STUDIES.md, claim 6).
+"""An LLM judge as a reward function, in TRL's reward-function form (docs/studies.md, claim 6).
 
     JUDGE_MODEL=runs/sft python grpo.py --model runs/sft --reward_fn studies/llm_judge.py:llm_judge
 

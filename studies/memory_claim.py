@@ -1,11 +1,11 @@
 """The design document's claim "Critic-free alignment reduces memory by 60%: the total drops from
-60 GB to 18-23 GB" (issue #28, claim 5; STUDIES.md), checked against the project's memory plans.
+60 GB to 18-23 GB" (issue #28, claim 5; docs/studies.md), checked against the project's memory plans.
 
 Every number comes from the scripts' own `--estimate_memory` (memory.py: exact counts of
 weights, gradients and optimizer states from the config, the activation formula that
 tests/test_memory.py checks against autograd's saved tensors), for a Qwen2.5-1.5B-shaped config,
 bf16, prompt 512 + completion 256 tokens, --gradient_checkpointing, at the settings of
-BENCHMARKS.md's table: PPO 8 sequences per micro-batch, DPO 4 pairs, GRPO 2 prompts x G. Each
+docs/benchmarks.md's table: PPO 8 sequences per micro-batch, DPO 4 pairs, GRPO 2 prompts x G. Each
 algorithm is planned with fp32-state AdamW and with 8-bit AdamW, so the two changes the
 document's 60% mixes (dropping the critic, and 8-bit states) are measured apart.
 

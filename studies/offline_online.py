@@ -1,4 +1,4 @@
-"""STUDIES.md, claim 1 ("offline DPO suffers from distribution drift on multi-step reasoning"):
+"""docs/studies.md, claim 1 ("offline DPO suffers from distribution drift on multi-step reasoning"):
 collect eval.py's per-level accuracies and the DPO runs' implicit-reward statistics in one JSON.
 
     python studies/offline_online.py --eval runs/eval_c1 --runs runs/c1 --output studies/offline_online.json

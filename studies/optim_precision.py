@@ -1,4 +1,4 @@
-"""STUDIES.md, claim 4 ("8-bit optimizer states shrink memory without degrading convergence
+"""docs/studies.md, claim 4 ("8-bit optimizer states shrink memory without degrading convergence
 precision"): compare the training curves and final quality of a sweep's settings.
 
 For one sweep (one script; settings such as optimadamw_8bit-dtypefloat32 and optimadamw-dtypefloat32,

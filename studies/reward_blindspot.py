@@ -23,7 +23,7 @@ model from them sees copy errors 0.84-0.86 of the time after 400 steps, 0.90-0.9
     python studies/reward_blindspot.py pairs --writer minimal --seed 0 --share 0.5 --num_pairs 8000 --out runs/x29/minimal.jsonl
 
 `kinds` gives a reward model's test accuracy on the world's pairs by kind (copy error, omission,
-two annotators), each against its own label-noise ceiling (README, "Results on the embedded world"),
+two annotators), each against its own label-noise ceiling (docs/results.md),
 and the copy errors again by `repeat_case` (below):
 
     python studies/reward_blindspot.py kinds runs/reward --seed 0

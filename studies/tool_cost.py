@@ -1,5 +1,4 @@
-"""studies/tool_cost.py: a price on tool calls for the arithmetic world's calculator (README, "The
-arithmetic world with a calculator"). With the strict verifier alone a call costs nothing, so GRPO
+"""studies/tool_cost.py: a price on tool calls for the arithmetic world's calculator (docs/worlds.md, "The arithmetic world with a calculator"). With the strict verifier alone a call costs nothing, so GRPO
 learns to call the tool on every problem; with this reward added, a call must pay for itself.
 
     python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --tools worlds/calculator.py:add \

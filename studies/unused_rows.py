@@ -1,5 +1,4 @@
-"""Why the TL;DR world's byte-level SFT policy copied facts wrongly (issue #29; README, "The
-embedded world"): sft.py from scratch on the same text and the same one-token-per-word split,
+"""Why the TL;DR world's byte-level SFT policy copied facts wrongly (issue #29; docs/worlds.md, "The embedded world"): sft.py from scratch on the same text and the same one-token-per-word split,
 with four vocabularies / initialisations, then the gold judge's terms of greedy summaries on the
 200 test posts.
 

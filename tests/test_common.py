@@ -219,7 +219,7 @@ def test_checkpoints_load_with_automodel(tmp_path, tiny_qwen):
         assert torch.equal(again.lm_head.weight, model.lm_head.weight)
         assert json.load(open(f"{folder}/args.json"))["output_dir"] == args.output_dir
     assert sorted(os.listdir(args.output_dir)) == sorted(
-        ["checkpoint-1", "args.json", "config.json", "generation_config.json", "model.safetensors",
+        ["checkpoint-1", "args.json", "config.json", "generation_config.json", "input_hashes.json", "model.safetensors",
          "tokenizer.json", "tokenizer_config.json"])
 
 

@@ -97,3 +97,16 @@ def test_a_module_in_a_package_is_seen_in_both_import_forms(tmp_path, monkeypatc
     """`from rlhf import sampling` and `from rlhf.sampling import x` are both edges to rlhf.sampling."""
     graph = project_imports()
     assert "rlhf.sampling" in graph["grpo"] and "rlhf.basics" in graph["rlhf.reward_contract"]
+
+
+def test_an_old_path_names_the_new_one(monkeypatch):
+    """--tools calculator.py:add (the path before the move) stops with a sentence naming worlds/calculator.py."""
+    import pytest
+
+    from rlhf import tools
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        tools.load_tools("calculator.py:add")
+    assert "it moved to worlds/calculator.py" in str(e.value)
+    assert [t.name for t in tools.load_tools("worlds/calculator.py:add")] == ["add"]

@@ -5,7 +5,9 @@ from outside that nothing happened (files, processes, the listening socket) and 
 ended within its time limit."""
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 
 import pytest
@@ -121,26 +123,54 @@ def test_the_trainers_environment_cannot_be_read_through_proc(monkeypatch):
     assert reward == 0 and "PermissionError" in result.output
 
 
-@as_root
-def test_writing_outside_the_working_dir_fails(tmp_path):
-    target = tmp_path / "victim.txt"
-    target.write_text("intact")
-    os.chmod(tmp_path, 0o755)  # readable and searchable by others, as a project folder is
-    reward, result, _ = attack(f"open({str(target)!r}, 'w').write('pwned')\npwned = True")
-    assert reward == 0 and "PermissionError" in result.output and target.read_text() == "intact"
-    reward, _, _ = attack(f"open({str(tmp_path / 'new.txt')!r}, 'w').write('pwned')\npwned = True")
-    assert reward == 0 and not (tmp_path / "new.txt").exists()
+@pytest.fixture
+def outside():
+    """A folder outside /tmp (which the child's private tmpfs hides), readable and searchable by
+    others as a project folder is; removed afterwards."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs")
+    if any(os.path.realpath(root).startswith(p + "/") for p in ("/tmp", "/var/tmp", "/dev/shm")):
+        root = "/"  # a copy of the repository in /tmp (tests/mutants.py)
+    os.makedirs(root, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="sandbox-victim-", dir=root)
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+DENIED = ("PermissionError", "Read-only file system")
 
 
 @as_root
-def test_deleting_files_fails(tmp_path):
-    victim = tmp_path / "checkpoint.bin"
-    victim.write_bytes(b"weights")
-    os.chmod(tmp_path, 0o755)
-    reward, result, _ = attack(f"import os, shutil\nos.remove({str(victim)!r})\npwned = True")
-    assert reward == 0 and victim.read_bytes() == b"weights"
-    reward, _, _ = attack(f"import shutil\nshutil.rmtree({str(tmp_path)!r})\npwned = True")
-    assert reward == 0 and victim.exists()
+def test_writing_outside_the_working_dir_fails(outside):
+    target = os.path.join(outside, "victim.txt")
+    open(target, "w").write("intact")
+    reward, result, _ = attack(f"open({target!r}, 'w').write('pwned')\npwned = True")
+    assert reward == 0 and any(d in result.output for d in DENIED) and open(target).read() == "intact"
+    reward, _, _ = attack(f"open({os.path.join(outside, 'new.txt')!r}, 'w').write('pwned')\npwned = True")
+    assert reward == 0 and not os.path.exists(os.path.join(outside, "new.txt"))
+    os.chmod(outside, 0o777)  # world-writable, as /tmp is: every mount is read-only for the code
+    reward, result, _ = attack(f"open({os.path.join(outside, 'new.txt')!r}, 'w').write('pwned')\npwned = True")
+    assert reward == 0 and "Read-only file system" in result.output and not os.path.exists(os.path.join(outside, "new.txt"))
+
+
+@as_root
+def test_without_mount_setattr_every_mount_is_remounted_read_only(outside, monkeypatch):
+    """Kernels before 5.12 (no mount_setattr): the harness remounts each mount read-only instead."""
+    monkeypatch.setattr(sandbox, "HARNESS", sandbox.HARNESS.replace("libc.syscall(442,", "libc.syscall(-1,"))
+    os.chmod(outside, 0o777)
+    code = f"open('/tmp/scratch', 'w').write('x')\nopen({os.path.join(outside, 'new.txt')!r}, 'w').write('pwned')\npwned = True"
+    reward, result, _ = attack(code)
+    assert reward == 0 and "Read-only file system" in result.output and not os.path.exists(os.path.join(outside, "new.txt"))
+
+
+@as_root
+def test_deleting_files_fails(outside):
+    victim = os.path.join(outside, "checkpoint.bin")
+    open(victim, "wb").write(b"weights")
+    reward, result, _ = attack(f"import os, shutil\nos.remove({victim!r})\npwned = True")
+    assert reward == 0 and open(victim, "rb").read() == b"weights"
+    reward, _, _ = attack(f"import shutil\nshutil.rmtree({outside!r})\npwned = True")
+    assert reward == 0 and os.path.exists(victim)
 
 
 def test_the_working_dir_is_fresh_and_removed():
@@ -224,7 +254,7 @@ def test_exec_tests_harness_errors_are_one_sentence():
     with pytest.raises(ValueError, match="no `tests` column"):
         sandbox.exec_tests(prompts=["p"], completions=["x = 1"])
     with pytest.raises(ValueError, match="row 1 of the `tests` column"):
-        sandbox.exec_tests(prompts=["p", "q"], completions=["x = 1", "x = 1"], tests=[["assert x"], [3]])
+        sandbox.exec_tests(prompts=["p", "q"], completions=["x = 1", "x = 1"], tests=[["assert f(1) == 1"], [3]])
     with pytest.raises(ValueError, match="non-empty list"):
         sandbox.exec_tests(prompts=["p"], completions=["x = 1"], tests=[[]])
 

@@ -128,7 +128,7 @@ def test_tokens_the_training_text_never_contains_start_at_zero_and_move_as_one()
     """scratch.build_model(texts=...): the rows of tokens absent from the text (bytes) start at
     zero, so they share logits, gradients and Adam updates and stay one direction; the text's own
     rows keep their random init. (Random rows there made the TL;DR
-    world's SFT policy copy facts wrongly: README, "The embedded world".)"""
+    world's SFT policy copy facts wrongly: docs/worlds.md.)"""
     tok = world.build_tokenizer()
     texts = [r["prompt"] + r["completion"] for r in common.embedded_world()["sft"].select(range(200))]
     used = {i for t in texts for i in tok(t)["input_ids"]} | set(tok.all_special_ids)

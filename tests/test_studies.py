@@ -1,4 +1,4 @@
-"""The studies' summary scripts (STUDIES.md, claims 3, 4 and 6) on hand-written run and eval
+"""The studies' summary scripts (docs/studies.md, claims 3, 4 and 6) on hand-written run and eval
 folders: what they read, what they count, and the JSON they write."""
 
 import importlib.util

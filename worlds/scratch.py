@@ -53,7 +53,7 @@ def added_words_tokenizer(words, bare=()):
     word of `words` with its leading space (" carol"), and each of `bare` as it is ("POST:"), is an
     added token: one token per word, and any other text byte by byte. A BPE whose merges make each
     word one token also holds every intermediate merge (" c", " ca", ...), rows the text never uses
-    that made the TL;DR world's from-scratch policy copy facts wrongly (README, "The embedded world")."""
+    that made the TL;DR world's from-scratch policy copy facts wrongly (docs/worlds.md)."""
     from tokenizers import AddedToken, pre_tokenizers
 
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -95,7 +95,7 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
     intermediate merges); a char-level one holds none. With tied embeddings a
     random row is a random output direction that the softmax must push down; a few hundred of them span
     the hidden space, and an SFT policy trained among them copies facts wrongly far more often
-    (README, "The embedded world"). Zero rows get equal logits, equal gradients and equal Adam
+    (docs/worlds.md). Zero rows get equal logits, equal gradients and equal Adam
     updates, so they stay one shared direction (exactly with fp32 AdamW states; with the default
     8-bit states, or bf16's stochastic rounding, within their quantisation noise): one extra class to push down, as if the vocabulary held
     only the text's tokens. The tokenizer, and so AutoTokenizer, is unchanged."""

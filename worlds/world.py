@@ -150,6 +150,9 @@ def post_from_prompt(prompt):
 def gold_reward(prompts, completions, **columns):
     """The gold judge as a reward function with TRL's signature: fn(prompts, completions, **cols)."""
     posts = columns.get("post") or [post_from_prompt(p) for p in prompts]
+    if not all(key_facts(post) for post in posts):  # another world's prompt: every summary would score <= 0
+        raise ValueError("the prompt holds no post of the embedded world (no fact such as 'alice bought bike'), and gold "
+                         "judges summaries of that world's posts only: pass another reward function for this data")
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [gold_score(p, c) for p, c in zip(posts, texts)]
 

@@ -25,7 +25,7 @@ the arithmetic one (world_arith.py). It plays the part of a code dataset with un
   solves the ~83% of tasks that are not abs traps; one that samples the demonstrator's
   distribution writes abs(x-a) on 30% of the traps, so a policy trained from it samples the
   right code on those tasks often enough for an execution reward to reinforce it, up to 100%
-  (README, the code world's results: the SFT policy writes abs( in 18% of its samples on the
+  (docs/worlds.md, the code world's results: the SFT policy writes abs( in 18% of its samples on the
   test split's traps, GRPO in 43% to 68%);
   before, the demonstrator always erred on a trap: abs(...) was shown only for a <= 3, about 1
   demonstration in 1000, never sampled, so no reward could fix the error.
