@@ -31,6 +31,21 @@ from rlhf import sampling  # noqa: E402
 from worlds import world_ifeval  # noqa: E402
 
 
+def preference_pairs(rows, texts, scores, truncated, n):
+    """One pair per row whose n samples (texts[i*n:(i+1)*n]) hold a pass and a fail: chosen = the
+    first that passes and is not truncated, rejected = the first that fails; TRL's conversational
+    preference format, with the row's family."""
+    pairs = []
+    for i, r in enumerate(rows):
+        group = list(zip(texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n], truncated[i * n:(i + 1) * n]))
+        chosen = next((t for t, s, tr in group if s == 1.0 and not tr), None)
+        rejected = next((t for t, s, _ in group if s == 0.0), None)
+        if chosen is not None and rejected is not None:
+            pairs.append({"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": chosen}],
+                          "rejected": [{"role": "assistant", "content": rejected}], "family": r["family"]})
+    return pairs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="The policy whose samples make the pairs (a folder).")
@@ -67,14 +82,7 @@ def main():
     rows = [r for r in ds for _ in range(n)]
     scores = world_ifeval.ifeval_strict([r["prompt"] for r in rows], texts, [r["constraints"] for r in rows],
                                         [r["keyword"] for r in rows])
-    pairs = []
-    for i, r in enumerate(ds):
-        group = list(zip(texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n], truncated[i * n:(i + 1) * n]))
-        chosen = next((t for t, s, tr in group if s == 1.0 and not tr), None)
-        rejected = next((t for t, s, _ in group if s == 0.0), None)
-        if chosen is not None and rejected is not None:
-            pairs.append({"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": chosen}],
-                          "rejected": [{"role": "assistant", "content": rejected}], "family": r["family"]})
+    pairs = preference_pairs(list(ds), texts, scores, truncated, n)
     if not pairs:
         common.fail(f"no prompt of {len(ds)} had a passing and a failing sample: raise --num_samples or --num_prompts.")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

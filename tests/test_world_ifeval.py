@@ -118,3 +118,23 @@ def test_splits_are_disjoint_fixed_and_hold_out_families():
         fams = [wi.split_constraint(c)[0] for c in r["constraints"]]
         assert fams[0] == r["family"] and len(set(fams)) == len(fams)
         assert frozenset(fams) not in wi.CLASH
+
+
+def test_dpo_pairs_from_own_samples():
+    """studies/ifeval_pairs.py: a pair per prompt with a pass and a fail, chosen the first pass
+    that was not truncated, rejected the first fail; all-pass or all-fail prompts give none."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", "ifeval_pairs.py")
+    spec = importlib.util.spec_from_file_location("ifeval_pairs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"prompt": conv(f"p{i}"), "family": "lowercase"} for i in range(3)]
+    texts = ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"]
+    scores = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    truncated = [False, True, False, False, False, False, False, False, False]
+    pairs = module.preference_pairs(rows, texts, scores, truncated, 3)
+    assert [(p["prompt"][0]["content"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
+        ("p0", "a2", "a0"), ("p2", "c0", "c1")]
+    assert pairs[0]["chosen"][0]["role"] == "assistant" and pairs[0]["family"] == "lowercase"

@@ -94,7 +94,7 @@ TASKS = ["Write one sentence about {topic}.", "Write a short sentence about {top
 INCLUDE_WORDS = ["blue", "quiet", "golden", "morning", "gentle", "bright", "happy", "small", "old", "green"]
 START_WORDS = ["Yes", "Today", "Honestly", "Imagine", "Indeed", "Sometimes", "Look", "Well"]
 END_WORDS = ["today", "forever", "everywhere", "again", "indeed", "always", "now", "too"]
-MAX_WORDS = range(5, 11)
+MAX_WORDS = range(8, 16)  # the base answers a one-sentence task in 17 words on average
 BULLETS = (2, 3)
 
 # family -> how the prompt states it (one or more phrasings; {arg} is its argument)
