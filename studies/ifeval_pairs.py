@@ -66,7 +66,7 @@ def main():
     ds = ds.select(range(min(args.num_prompts, len(ds))))
     tokenizer = common.load_tokenizer(args.model)
     model = common.freeze(common.load_model(args.model, argparse.Namespace(
-        dtype="auto", attn_implementation="", trust_remote_code=False, use_peft=False, load_in_4bit=False,
+        dtype="auto", attn_implementation="auto", trust_remote_code=False, use_peft=False, load_in_4bit=False,
         load_in_8bit=False)))
     prompts = [data.render_prompt(tokenizer, r) for r in ds["prompt"]]
     texts, truncated = [], []
