@@ -74,6 +74,9 @@ def test_gaming_answers_score_zero(family):
 
 
 def test_response_checks():
+    # max_words at its boundary: 6 words pass a limit of 6, 7 do not
+    assert score("The ocean is vast and deep.", ["max_words:6"]) == 1.0
+    assert score("The ocean is vast and very deep.", ["max_words:6"]) == 0.0
     # a topic answer names its topic (any form), unless that word is forbidden
     assert score("It is vast and deep.", ["max_words:8"]) == 0.0
     assert score("Oceans are vast and deep.", ["max_words:8"]) == 1.0
