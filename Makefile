@@ -75,7 +75,7 @@ demo-eval: $(DEMO_STAGES)
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
 REAL ?= runs/real
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50 --cache_dir $(REAL)/cache
-REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 3e-5 --max_steps 10
+REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 4e-5 --max_steps 6 --save_steps 2
 REAL_PAIRS ?= --num_prompts 96 --num_samples 4 --max_completion_length 32 --temperature 0.7
 REAL_DPO ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
 REAL_STAGES = real-grpo real-eval-base real-pairs real-dpo real-eval-grpo real-eval-dpo

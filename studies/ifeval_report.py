@@ -1,7 +1,7 @@
 """studies/ifeval_report.py: the instruction-following world's table (make demo-real) from an
 eval.py run on embedded:ifeval with --reward_fn ifeval_strict --group_by family.
 
-One row per policy: held-out strict accuracy overall and per family (eval.py's numbers and 95%
+One column per policy: held-out strict accuracy overall and per family (eval.py's numbers and 95%
 bootstrap CIs over the test prompts; the families never trained on, world_ifeval.HELD_OUT, marked
 "held out"), the win rate over the first policy with the verifier as the judge (eval.py's paired
 bootstrap CI), and whether the answers stay answers: the share of empty answers, of truncated
@@ -27,28 +27,31 @@ def ci(row, key="score"):
 
 
 def table(results, generations):
+    """Rows: overall strict accuracy, each family's, the win rate over the first policy, the answers'
+    shape; one column per policy."""
     names = list(results["policies"])
     first = names[0]
     families = sorted(results["policies"][first]["by_group"])
-    counts = {f: results["policies"][first]["by_group"][f]["n"] for f in families}
-    header = (["policy", "strict accuracy (95% CI)", f"win rate vs {first} (95% CI)"]
-              + [f"{f}{' (held out)' if f in world_ifeval.HELD_OUT else ''} [{counts[f]}]" for f in families]
-              + ["empty", "truncated", "degenerate", "mean words"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = {"strict accuracy, all families": [], **{f: [] for f in families}, f"win rate vs {first} (verifier as judge)": [],
+            "empty answers": [], "truncated answers": [], "degenerate answers": [], "mean length (words)": []}
     for name in names:
         p = results["policies"][name]
-        overall = f"{p['score']:.3f} ({p['score_ci_low']:.2f}, {p['score_ci_high']:.2f})"
-        win = next((f"{r['win_rate']:.2f} ({r['ci_low']:.2f}, {r['ci_high']:.2f})" for r in results["pairwise"]
-                    if r["policy_a"] == name and r["policy_b"] == first), "-")
-        run = p["runs"][0]
-        texts = [g["responses"][run] for g in generations]
-        empty = sum(not t.strip() for t in texts) / len(texts)
-        degenerate = sum(world_ifeval.degenerate(t) for t in texts) / len(texts)
-        words = sum(len(world_ifeval.words(t)) for t in texts) / len(texts)
-        cells = [name, overall, win] + [f"{p['by_group'][f]['score']:.2f} ({p['by_group'][f]['ci_low']:.2f}, "
-                                        f"{p['by_group'][f]['ci_high']:.2f})" for f in families]
-        cells += [f"{empty:.3f}", f"{p['truncated_frac']:.3f}", f"{degenerate:.3f}", f"{words:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows["strict accuracy, all families"].append(f"**{p['score']:.3f}** ({p['score_ci_low']:.3f}, {p['score_ci_high']:.3f})")
+        for f in families:
+            g = p["by_group"][f]
+            rows[f].append(f"{g['score']:.2f} ({g['ci_low']:.2f}, {g['ci_high']:.2f})")
+        rows[f"win rate vs {first} (verifier as judge)"].append(next(
+            (f"{r['win_rate']:.2f} ({r['ci_low']:.2f}, {r['ci_high']:.2f})" for r in results["pairwise"]
+             if r["policy_a"] == name and r["policy_b"] == first), "-"))
+        texts = [g["responses"][p["runs"][0]] for g in generations]
+        rows["empty answers"].append(f"{sum(not t.strip() for t in texts) / len(texts):.3f}")
+        rows["truncated answers"].append(f"{p['truncated_frac']:.3f}")
+        rows["degenerate answers"].append(f"{sum(world_ifeval.degenerate(t) for t in texts) / len(texts):.3f}")
+        rows["mean length (words)"].append(f"{sum(len(world_ifeval.words(t)) for t in texts) / len(texts):.1f}")
+    counts = {f: results["policies"][first]["by_group"][f]["n"] for f in families}
+    label = {f: f"{f} [{counts[f]}]" + (" (held out of training)" if f in world_ifeval.HELD_OUT else "") for f in families}
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {label.get(k, k)} | " + " | ".join(v) + " |" for k, v in rows.items()]
     return "\n".join(lines)
 
 
