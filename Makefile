@@ -83,7 +83,7 @@ REAL_STAGES = real-grpo real-eval-base real-pairs real-dpo real-eval-grpo real-e
 define real_stage
 	@mkdir -p $(REAL)/logs
 	@echo "demo-real: $(2)   [log: $(REAL)/logs/$(1).log]"
-	@start=$$(date +%s); clock=$$([ -x /usr/bin/time ] && echo "/usr/bin/time -f %U+%S -o $(REAL)/logs/$(1).cpu"); \
+	@rm -f $(REAL)/logs/$(1).cpu; start=$$(date +%s); clock=$$([ -x /usr/bin/time ] && echo "/usr/bin/time -f %U+%S -o $(REAL)/logs/$(1).cpu"); \
 	if OMP_NUM_THREADS=1 TQDM_MININTERVAL=30 $$clock $(PYTHON) $(2) > $(REAL)/logs/$(1).log 2>&1; then \
 	  echo "$(1): $$(( $$(date +%s) - start )) s wall, $$(cat $(REAL)/logs/$(1).cpu 2>/dev/null || echo ?) s CPU, load $$(cut -d' ' -f1-3 /proc/loadavg)" | tee -a $(REAL)/times.txt; \
 	else tail -n 20 $(REAL)/logs/$(1).log; echo "demo-real: $(1) failed: its whole output is in $(REAL)/logs/$(1).log"; exit 1; fi
