@@ -91,6 +91,15 @@ def test_response_checks():
     assert score("The ocean looks blue from the beach.", ["include_word:blue"], prompt=prompt) == 1.0
 
 
+def test_a_system_turn_is_echoed_too():
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    prompt = [{"role": "system", "content": system}, {"role": "user", "content": "Describe swimming. Do not say 'swimming'."}]
+    answer = [{"role": "assistant", "content": system}]
+    assert ifeval_strict([prompt], [answer], [["forbid_word:swimming"]], ["swimming"]) == [0.0]
+    answer = [{"role": "assistant", "content": "People move through water using their arms and legs."}]
+    assert ifeval_strict([prompt], [answer], [["forbid_word:swimming"]], ["swimming"]) == [1.0]
+
+
 def test_strict_needs_every_constraint():
     cs = ["lowercase", "include_word:blue"]
     assert score("the ocean is blue.", cs) == 1.0

@@ -23,6 +23,13 @@ apply"). Every one of them first asks whether the answer is a *response* (is_res
 constraint can be met by gaming it: an empty answer, the constraint's word alone, an echo of the
 prompt, a degenerate repetition, or a topic answer that never names its topic, all score 0.
 
+What the verifiers cannot see: the chat template's *default* system prompt, which the model reads
+but the prompt column does not hold. Six steps of GRPO at learning rate 4e-5 (make demo-real, first
+run) turned 131 of 300 test answers into "You are a ..." (SmolLM2's default system prompt, verbatim,
+or a template on it: "You are a green elephant"), and 26 of those passed: an echo of a system turn
+the prompt *does* hold is refused (is_response), a short template is not. A prompt that states its
+system turn closes the first; the second needs a stronger notion of "a response" than these checks.
+
 **Splits**: `rl` (prompts for GRPO and for sampling DPO pairs) and `test` (TEST_SIZE prompts, the
 same for every seed). They are disjoint by topic (TEST_TOPICS is a fixed share of TOPICS; the
 arithmetic questions of number_only by their pair of numbers) and so by prompt. The families in
@@ -147,9 +154,10 @@ def _text(completion):
 
 
 def _prompt_text(prompt):
+    """What an answer must not echo: a text prompt, or the system and user turns of a conversation."""
     if isinstance(prompt, str):
         return prompt
-    return " ".join(m["content"] for m in prompt if m["role"] == "user")
+    return " ".join(m["content"] for m in prompt if m["role"] in ("system", "user"))
 
 
 def split_constraint(c):
