@@ -34,8 +34,9 @@ from rlhf import parallel
 from rlhf import sampling
 from worlds import world
 from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
-    ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, SR_BUCKET_NUMEL, arith_split, brief, check_hub_id, code_split,
-    device, embedded_world, fail, finite_json, freeze, nonfinite_tensor, script_name, set_seed, torch_dtype)
+    ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, IFEVAL, SR_BUCKET_NUMEL, arith_split, brief, check_hub_id,
+    code_split, device, embedded_world, fail, finite_json, freeze, ifeval_split, nonfinite_tensor, script_name, set_seed,
+    torch_dtype)
 from rlhf.reward_contract import (  # noqa: F401 -- TRL's reward-function contract, re-exported: the scripts write common.call_reward_fns
     REWARD_KWARGS, call_reward_fns, check_reward_data, check_reward_names, load_eval_reward_fns, load_reward_fn,
     load_reward_fns, parse_reward_weights, weighted_rewards)
@@ -63,7 +64,7 @@ class ModelArgs:
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
-    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both, embedded:arith_tools with a calculator tool), 'embedded:code' (the code world), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
+    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both, embedded:arith_tools with a calculator tool), 'embedded:code' (the code world), 'embedded:ifeval' (instruction following with verifiers, for a chat model), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset to train on (Hub datasets and folders)."})
     output_dir: str = field(default="", metadata={"help": "Where metrics.jsonl, checkpoints, summary.json and the final model go (default: runs/<script>)."})
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})

@@ -649,6 +649,9 @@ def main():
     elif args.dataset == common.CODE:
         ds = common.code_split("test")  # seed 0, as the other worlds
         split = "test split"
+    elif args.dataset == common.IFEVAL:
+        ds = common.ifeval_split("test")  # the same for every seed
+        split = "test split"
     else:
         ds = data.load_data(args.dataset, args.dataset_split)
         split = f"split {args.dataset_split}" if not os.path.isfile(args.dataset) else "file"

@@ -16,12 +16,14 @@ import torch
 from worlds import world
 from worlds import world_arith
 from worlds import world_code
+from worlds import world_ifeval
 
 # ============================================================================ names
 EMBEDDED = "embedded"  # --dataset value (and the default) that selects the embedded world
 ARITH = world_arith.SPEC  # --dataset embedded:arith[:LEVELS] selects the arithmetic world (world_arith.py)
 ARITH_TOOLS = world_arith.TOOLS_SPEC  # --dataset embedded:arith_tools: the arithmetic world with a calculator tool
 CODE = world_code.SPEC  # --dataset embedded:code selects the code world (world_code.py)
+IFEVAL = world_ifeval.SPEC  # --dataset embedded:ifeval selects the instruction-following world (world_ifeval.py)
 CHAT_TEMPLATE_KWARGS = {}  # --chat_template_kwargs, set by parse_args, passed wherever a chat template renders
 SR_BUCKET_NUMEL = 2**26  # parameters per fp32 bucket in common.optimizer_step and parallel's all-reduce (256 MB of fp32 weights)
 
@@ -160,3 +162,13 @@ def code_split(split, seed=0):
     if (CODE, seed) not in _WORLD_CACHE:
         _WORLD_CACHE[CODE, seed] = world_code.build_world(seed)
     return _WORLD_CACHE[CODE, seed][split]
+
+
+def ifeval_split(split, seed=0):
+    """A split of the instruction-following world, --dataset embedded:ifeval (built once per process)."""
+    if split not in ("rl", "test"):
+        fail(f"--dataset {IFEVAL}: the instruction-following world has no {split!r} split (only rl, test): it is a "
+             "world for RL with verifiers; build DPO pairs from a policy's own samples (python -m worlds.world_ifeval pairs).")
+    if (IFEVAL, seed) not in _WORLD_CACHE:
+        _WORLD_CACHE[IFEVAL, seed] = world_ifeval.build_world(seed)
+    return _WORLD_CACHE[IFEVAL, seed][split]

@@ -73,6 +73,8 @@ def named_data(spec, split, world_split, seed):
         return basics.arith_split(spec, world_split, seed)
     if spec == basics.CODE:
         return basics.code_split(world_split, seed)
+    if spec == basics.IFEVAL:
+        return basics.ifeval_split(world_split, seed)
     return load_data(spec, split)
 
 

@@ -19,6 +19,7 @@ import torch
 from rlhf import sandbox
 from worlds import world
 from worlds import world_arith
+from worlds import world_ifeval
 from rlhf.basics import fail, moved, script_name
 
 
@@ -26,16 +27,19 @@ def load_reward_fn(spec):
     """`file.py:function` -> the function, called as TRL calls it (call_reward_fns: by keyword,
     fn(prompts=, completions=, completion_ids=, **columns, ...) -> floats or None); `gold` -> the embedded world's gold judge; `arith_strict`,
     `arith_lenient` -> the arithmetic world's verifiers; `exec_tests`, `exec_tests_strict` -> the
-    execution verifiers (sandbox.py: the completion's code against the `tests` column)."""
+    execution verifiers (sandbox.py: the completion's code against the `tests` column); `ifeval_strict`,
+    `ifeval_<family>` -> the instruction-following world's verifiers (world_ifeval.py)."""
     if spec == "gold":
         return world.gold_reward
     if spec in world_arith.VERIFIERS:
         return world_arith.VERIFIERS[spec]
     if spec in sandbox.VERIFIERS:
         return sandbox.VERIFIERS[spec]
+    if spec in world_ifeval.VERIFIERS:
+        return world_ifeval.VERIFIERS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS])}).")
+        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS, 'ifeval_strict', 'ifeval_<family>'])}).")
     if not os.path.isfile(path):
         fail(f"--reward_fn {spec!r}: file {path} does not exist{moved(path)}.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)

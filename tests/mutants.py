@@ -412,6 +412,23 @@ MUTANTS = [
            "        field = 3 - field  # 1 <-> 2",
            "        field = field  # 1 <-> 2",
            [T + "test_world.py::test_contrast_pairs_are_a_careful_summary_against_one_copy_error_or_omission"]),
+    # ---------------------------------------------------------------- world_ifeval.py (the verifiers' guards)
+    Mutant("ifeval_echo_allowed", "worlds/world_ifeval.py",
+           "    if not text.strip() or degenerate(text) or echoes(text, prompt):",
+           "    if not text.strip() or degenerate(text):",
+           [T + "test_world_ifeval.py::test_gaming_answers_score_zero[include_word]"]),
+    Mutant("ifeval_degenerate_run_ignored", "worlds/world_ifeval.py",
+           "    if any(len(set(ws[i:i + MAX_RUN])) == 1 for i in range(len(ws) - MAX_RUN + 1)):",
+           "    if any(len(set(ws[i:i + MAX_RUN])) == 0 for i in range(len(ws) - MAX_RUN + 1)):",
+           [T + "test_world_ifeval.py::test_response_checks"]),
+    Mutant("ifeval_topic_not_required", "worlds/world_ifeval.py",
+           "    return families.get(\"forbid_word\", \"\").lower() == keyword.lower() or mentions(text, keyword)",
+           "    return True",
+           [T + "test_world_ifeval.py::test_response_checks"]),
+    Mutant("ifeval_max_words_off_by_one", "worlds/world_ifeval.py",
+           "        return len(ws) <= int(arg)",
+           "        return len(ws) <= int(arg) + 1",
+           [T + "test_world_ifeval.py::test_response_checks"]),
 ]
 
 

@@ -1,0 +1,152 @@
+"""The instruction-following world (embedded:ifeval): each family's verifier on answers that meet
+and miss it, answers that try to game the verifiers, the strict verifier, the splits."""
+
+import pytest
+
+from rlhf import reward_contract
+from worlds import world_ifeval as wi
+from worlds.world_ifeval import ifeval_strict
+
+
+def conv(text):
+    return [{"role": "user", "content": text}]
+
+
+def score(answer, constraints, keyword="ocean", prompt="Describe the ocean.", family=None):
+    """ifeval_strict (or ifeval_<family>) on one answer, as TRL passes it: an assistant message."""
+    fn = wi.VERIFIERS[f"ifeval_{family}"] if family else ifeval_strict
+    return fn([conv(prompt)], [[{"role": "assistant", "content": answer}]], constraints=[constraints],
+              keyword=[keyword])[0]
+
+
+# one case per family: (constraints, an answer that meets them, one that misses them)
+CASES = {
+    "lowercase": (["lowercase"], "the ocean is deep and wide.", "The ocean is deep and wide."),
+    "uppercase": (["uppercase"], "THE OCEAN IS DEEP.", "THE OCEAN is deep."),
+    "include_word": (["include_word:blue"], "The ocean is blue and deep.", "The ocean is deep and wide."),
+    "forbid_word": (["forbid_word:ocean"], "The sea is vast and deep.", "Oceans are vast and deep."),
+    "max_words": (["max_words:6"], "The ocean is vast and deep.", "The ocean is vast and deep and very old."),
+    "start_with": (["start_with:Indeed"], "Indeed, the ocean is vast.", "The ocean is vast, indeed."),
+    "end_with": (["end_with:always"], "The ocean moves always.", "The ocean always moves."),
+    "no_commas": (["no_commas"], "The ocean is vast and deep.", "The ocean is vast, deep and old."),
+    "quotes": (["quotes"], '"The ocean is vast and deep."', 'The ocean is "vast" and deep.'),
+    "bullets": (["bullets:2"], "- The ocean is deep.\n- It covers most of Earth.",
+                "- The ocean is deep.\n- It covers most of Earth.\n- It is salty."),
+    "json": (["json"], '{"answer": "The ocean is vast and deep."}', '{"reply": "The ocean is vast and deep."}'),
+    "number_only": (["number_only:83"], "83", "38 + 45 = 83"),
+}
+
+
+def test_every_family_has_a_case():
+    assert set(CASES) == set(wi.FAMILIES)
+
+
+@pytest.mark.parametrize("family", wi.FAMILIES)
+def test_each_family_verifier_meets_and_misses(family):
+    constraints, good, bad = CASES[family]
+    kw = "83" if family == "number_only" else "ocean"
+    assert score(good, constraints, kw, family=family) == 1.0 and score(good, constraints, kw) == 1.0
+    assert score(bad, constraints, kw, family=family) == 0.0 and score(bad, constraints, kw) == 0.0
+    # a family's verifier does not apply to a prompt without that family (TRL's None)
+    other = "lowercase" if family != "lowercase" else "no_commas"
+    assert score(good, constraints, kw, family=other) is None
+
+
+@pytest.mark.parametrize("family", wi.FAMILIES)
+def test_gaming_answers_score_zero(family):
+    """Empty, the constraint's word alone, an echo of the prompt, a degenerate repetition: 0 for
+    the family's verifier and the strict one, whatever the constraint."""
+    constraints, good, _ = CASES[family]
+    kw = "83" if family == "number_only" else "ocean"
+    _, arg = wi.split_constraint(constraints[0])
+    prompt = "Describe the ocean. " + wi.instruction(__import__("random").Random(0), constraints[0])
+    word = "number" if family == "number_only" else arg or "ocean"  # number_only's argument is the answer itself
+    gaming = ["", "   ", word, prompt, "ocean ocean ocean ocean", "the " * 30]
+    if family == "json":
+        gaming += ['{"answer": ""}', '{"answer": "ocean"}']
+    if family == "quotes":
+        gaming += ['""', '"ocean"']
+    if family == "bullets":
+        gaming += ["- ocean\n- ocean", "- \n- "]
+    for answer in gaming:
+        for fam in (family, None):
+            assert score(answer, constraints, kw, prompt=prompt, family=fam) == 0.0, (answer, fam)
+
+
+def test_response_checks():
+    # max_words at its boundary: 6 words pass a limit of 6, 7 do not
+    assert score("The ocean is vast and deep.", ["max_words:6"]) == 1.0
+    assert score("The ocean is vast and very deep.", ["max_words:6"]) == 0.0
+    # a topic answer names its topic (any form), unless that word is forbidden
+    assert score("It is vast and deep.", ["max_words:8"]) == 0.0
+    assert score("Oceans are vast and deep.", ["max_words:8"]) == 1.0
+    assert score("It is vast and deep.", ["forbid_word:ocean"]) == 1.0
+    # fewer than MIN_WORDS words; a word three times in a row; mostly one word
+    assert score("ocean waves", ["max_words:8"]) == 0.0
+    assert score("the ocean is deep deep deep", ["max_words:8"]) == 0.0
+    assert score("ocean blue ocean blue ocean blue ocean blue", ["include_word:blue"]) == 0.0
+    # an echo: six words of the prompt in a row
+    prompt = "Write one sentence about the ocean. Include the word 'blue'."
+    assert score("write one sentence about the ocean blue", ["include_word:blue"], prompt=prompt) == 0.0
+    assert score("The ocean looks blue from the beach.", ["include_word:blue"], prompt=prompt) == 1.0
+
+
+def test_a_system_turn_is_echoed_too():
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    prompt = [{"role": "system", "content": system}, {"role": "user", "content": "Describe swimming. Do not say 'swimming'."}]
+    answer = [{"role": "assistant", "content": system}]
+    assert ifeval_strict([prompt], [answer], [["forbid_word:swimming"]], ["swimming"]) == [0.0]
+    answer = [{"role": "assistant", "content": "People move through water using their arms and legs."}]
+    assert ifeval_strict([prompt], [answer], [["forbid_word:swimming"]], ["swimming"]) == [1.0]
+
+
+def test_strict_needs_every_constraint():
+    cs = ["lowercase", "include_word:blue"]
+    assert score("the ocean is blue.", cs) == 1.0
+    assert score("The ocean is blue.", cs) == 0.0 and score("The ocean is blue.", cs, family="include_word") == 1.0
+    assert score("the ocean is deep.", cs) == 0.0 and score("the ocean is deep.", cs, family="lowercase") == 1.0
+    # the text after a plain-string prompt works as well (TRL's standard format)
+    assert ifeval_strict(["Describe the ocean."], ["the ocean is blue."], [cs], ["ocean"]) == [1.0]
+
+
+def test_verifiers_load_by_name():
+    assert reward_contract.load_reward_fn("ifeval_strict") is ifeval_strict
+    assert reward_contract.load_reward_fn("ifeval_max_words").__name__ == "ifeval_max_words"
+
+
+def test_splits_are_disjoint_fixed_and_hold_out_families():
+    worlds = {s: wi.build_world(seed=s, sizes={"rl": 400}) for s in (0, 1)}
+    test = worlds[0]["test"]
+    assert len(test) >= 300 and test.to_list() == worlds[1]["test"].to_list()  # the same for every seed
+    assert set(test["family"]) == set(wi.WORLD_FAMILIES)
+    for world in worlds.values():
+        rl = world["rl"]
+        assert not set(rl["topic"]) & set(test["topic"])  # disjoint by topic (and number pair)
+        assert not {r[0]["content"] for r in rl["prompt"]} & {r[0]["content"] for r in test["prompt"]}
+        held = {wi.split_constraint(c)[0] for cs in rl["constraints"] for c in cs} & set(wi.HELD_OUT)
+        assert not held  # the transfer families are never trained on
+    assert worlds[0]["rl"]["prompt"] != worlds[1]["rl"]["prompt"]
+    for r in test:  # the family is the first constraint's; no contradicting pair
+        fams = [wi.split_constraint(c)[0] for c in r["constraints"]]
+        assert fams[0] == r["family"] and len(set(fams)) == len(fams)
+        assert frozenset(fams) not in wi.CLASH
+
+
+def test_dpo_pairs_from_own_samples():
+    """studies/ifeval_pairs.py: a pair per prompt with a pass and a fail, chosen the first pass
+    that was not truncated, rejected the first fail; all-pass or all-fail prompts give none."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", "ifeval_pairs.py")
+    spec = importlib.util.spec_from_file_location("ifeval_pairs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"prompt": conv(f"p{i}"), "family": "lowercase"} for i in range(3)]
+    texts = ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"]
+    scores = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    truncated = [False, True, False, False, False, False, False, False, False]
+    pairs = module.preference_pairs(rows, texts, scores, truncated, 3)
+    assert [(p["prompt"][0]["content"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
+        ("p0", "a2", "a0"), ("p2", "c0", "c1")]
+    assert pairs[0]["chosen"][0]["role"] == "assistant" and pairs[0]["family"] == "lowercase"
