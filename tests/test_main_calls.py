@@ -106,7 +106,7 @@ def test_grpo_main_passes_the_batch_its_advantages_and_its_reference(tmp_path, t
 def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypatch):
     """One PPO step: the score with the missing-EOS penalty and the KL coefficient reach the
     per-token rewards, whose policy and reference log-probs are the starting policy's (KL exactly
-    0); GAE gets those rewards, the rollout's values, --gamma and --lam; the policy loss gets the
+    0); GAE gets those rewards (whitened with --whiten_rewards), the rollout's values, --gamma and --lam; the policy loss gets the
     whitened advantages, pi_old == pi (ratio exactly 1) and --cliprange; the critic regresses onto
     GAE's returns from the rollout's values with --cliprange_value; the loss backpropagated is
     pg_loss + --vf_coef * vf_loss."""
@@ -123,7 +123,7 @@ def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypa
                    "--max_steps", "1", "--max_completion_length", "6", "--temperature", str(temperature),
                    "--missing_eos_penalty", "2.0", "--kl_coef", "0.37", "--gamma", "0.9", "--lam", "0.8",
                    "--cliprange", "0.15", "--cliprange_value", "0.25", "--vf_coef", "0.3", "--dual_clip_c", "2.5",
-                   "--optim", "adamw", "--output_dir", str(tmp_path / "out")], monkeypatch)
+                   "--whiten_rewards", "--optim", "adamw", "--output_dir", str(tmp_path / "out")], monkeypatch)
     (s,), (g,), (r,), (a,), (pg,), (vf,), (loss,) = scores, generated, rewards_calls, gae_calls, pg_calls, vf_calls, losses
     completion_ids, completion_mask, truncated = g["out"]
     mask = completion_mask.float()
@@ -135,12 +135,18 @@ def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypa
     torch.testing.assert_close(r["logprobs"], direct, rtol=0, atol=1e-5)
     torch.testing.assert_close(r["ref_logprobs"], direct, rtol=0, atol=1e-5)
     assert torch.equal(r["out"][1], torch.zeros_like(mask))  # KL exactly 0 at step 1
-    # 3. GAE on those rewards and the rollout's values
-    assert torch.equal(a["rewards"], r["out"][0]) and torch.equal(a["mask"], mask)
+    # 3. GAE on those rewards, scaled to unit variance over the batch (--whiten_rewards, mean kept), and the rollout's values
+
+    def whiten(x):  # (x - mean) / std over the real tokens (biased variance, as masked_whiten)
+        mean = (x * mask).sum() / mask.sum()
+        return (x - mean) * torch.rsqrt(((x - mean) ** 2 * mask).sum() / mask.sum() + 1e-8)
+
+    rewards = r["out"][0]
+    torch.testing.assert_close(a["rewards"], (whiten(rewards) + (rewards * mask).sum() / mask.sum()) * mask, rtol=0, atol=1e-6)
+    assert torch.equal(a["mask"], mask)
     assert a["gamma"] == 0.9 and a["lam"] == 0.8
     advantages, returns = a["out"]
-    whitened = (advantages - (advantages * mask).sum() / mask.sum())
-    whitened = whitened * torch.rsqrt((whitened ** 2 * mask).sum() / mask.sum() + 1e-8) * mask  # masked_whiten
+    whitened = whiten(advantages) * mask
     # 4. the minibatch: the rollout's rows in the epoch's shuffled order (ppo.main's seed), cut to its width
     perm = torch.randperm(8, generator=torch.Generator().manual_seed((0 * 100_003 + 0) * 101 + 0))
     width = pg["mask"].shape[1]
