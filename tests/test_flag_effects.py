@@ -153,3 +153,91 @@ def test_prompt_and_reference_columns_are_read_by_name(tmp_path, tiny_qwen, monk
     assert "'prompt'" in main_error(eval_script, argv, monkeypatch, capsys)
     message = main_error(eval_script, argv + ["--prompt_column", "question", "--reference_column", "answer"], monkeypatch, capsys)
     assert "'answer'" in message and "'prompt'" not in message
+
+
+def test_mask_truncated_completions_zeroes_the_loss_mask_of_cut_completions(tmp_path, monkeypatch):
+    """grpo.py --mask_truncated_completions: grpo_loss gets completion_mask 0 on every row that
+    reached --max_completion_length without EOS, and the sampled mask on the others."""
+    import grpo
+    from conftest import uniform_words_model
+    from test_main_calls import prompts_file, spy
+
+    model = str(tmp_path / "model")
+    uniform_words_model(model)  # some completions end with EOS, others are cut
+    prompts, fn = prompts_file(tmp_path)
+    generated, losses = spy(monkeypatch, sampling, "generate"), spy(monkeypatch, grpo, "grpo_loss")
+    run_main(grpo, ["--model", model, "--dataset", prompts, "--reward_fn", fn, "--batch_size", "2", "--num_generations", "4",
+                    "--gradient_accumulation_steps", "1", "--max_steps", "1", "--max_completion_length", "6",
+                    "--temperature", "1.5", "--beta", "0", "--mask_truncated_completions", "--optim", "adamw",
+                    "--output_dir", str(tmp_path / "out")], monkeypatch)
+    (g,), (call,) = generated, losses
+    _, mask, truncated = g["out"]
+    assert truncated.any() and not truncated.all()
+    assert torch.equal(call["completion_mask"], mask * (~truncated[:, None]).long())
+
+
+def test_online_dpo_samples_with_max_new_tokens_and_temperature(tmp_path, tiny_qwen, monkeypatch):
+    """dpo.py --online --max_new_tokens / --temperature: what its sampler is asked for, and the
+    completions are no longer than that."""
+    import dpo
+    from test_main_calls import prompts_file, spy
+
+    prompts, fn = prompts_file(tmp_path)
+    generated = spy(monkeypatch, sampling, "generate")
+    run_main(dpo, ["--online", "--model", tiny_qwen, "--dataset", prompts, "--reward_fn", fn, "--batch_size", "2",
+                   "--max_steps", "1", "--max_new_tokens", "5", "--temperature", "0.55", "--optim", "adamw",
+                   "--output_dir", str(tmp_path / "out")], monkeypatch)
+    assert generated and all(g["max_new_tokens"] == 5 and g["temperature"] == 0.55 for g in generated)
+    assert all(g["out"][0].shape[1] <= 5 for g in generated) and any(g["out"][0].shape[1] == 5 for g in generated)
+
+
+def test_eval_generation_flags_change_the_responses(tmp_path, tiny_qwen):
+    """eval.py --max_completion_length, --do_sample, --temperature, --top_p, --top_k: the
+    responses' length bound, sampled against greedy, and each knob at its extreme gives greedy back."""
+    from rlhf import policies
+
+    prompts = [f"POST: alice bought the bike {i} . TL;DR:" for i in range(4)]
+
+    def ids(**kw):
+        args = eval_script.Args(model="", dataset="embedded", cache_dir=str(tmp_path / f"cache{len(os.listdir(tmp_path))}"),
+                                **{"max_completion_length": 6, **kw})
+        return policies.generate_responses(tiny_qwen, "pi", prompts, args)[2]
+
+    greedy = ids()
+    assert max(len(c) for c in greedy) == 6 and max(len(c) for c in ids(max_completion_length=3)) == 3
+    assert ids(do_sample=True) != greedy
+    assert ids(do_sample=True, temperature=1e-4) == greedy
+    assert ids(do_sample=True, top_p=1e-6) == greedy
+    assert ids(do_sample=True, top_k=1) == greedy
+
+
+@pytest.mark.parametrize("script", ["sft", "reward", "dpo", "ppo"])
+def test_length_flags_cut_what_each_script_encodes(script, tmp_path, tiny_qwen, sft_data, monkeypatch):
+    """--max_prompt_length / --max_completion_length of sft.py, reward.py, dpo.py (offline) and
+    ppo.py: the prompts each script encodes are cut to the first, the completions (encoded or
+    sampled) to the second, and both cuts bind on this data."""
+    import importlib
+
+    from test_main_calls import preference_file, prompts_file, spy
+
+    module = importlib.import_module(script)
+    prompts = spy(monkeypatch, data, "encode_prompts")
+    completions = spy(monkeypatch, data, "encode_turns" if script == "sft" else "encode_completions")
+    sampled = spy(monkeypatch, sampling, "generate")
+    dataset = {"sft": sft_data, "reward": preference_file(tmp_path), "dpo": preference_file(tmp_path),
+               "ppo": prompts_file(tmp_path)[0]}[script]
+    extra = {"ppo": ["--reward_fn", prompts_file(tmp_path)[1], "--num_mini_batches", "1", "--batch_size", "4",
+                     "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "1"],
+             "reward": ["--eval_steps", "0"]}.get(script, [])
+    run_main(module, ["--model", tiny_qwen, "--dataset", dataset, "--max_steps", "1", "--batch_size", "2",
+                      "--max_prompt_length", "4", "--max_completion_length", "3", "--optim", "adamw", *extra,
+                      "--output_dir", str(tmp_path / "out")], monkeypatch)
+    # (truncation_counts encodes the prompts whole, without max_length, to count the long ones)
+    widths = [c["out"][0].shape[1] for c in prompts if c["max_length"] is not None]
+    assert widths and max(widths) == 4 and all(c["max_length"] == 4 for c in prompts if c["max_length"] is not None)
+    if script == "ppo":
+        cut = [c["out"][0].shape[1] for c in sampled]
+    else:  # (and the completions, to count the long ones)
+        cut = [c["out"][0].shape[1] for c in completions if c["max_length"] is not None]
+        assert all(c["max_length"] == 3 for c in completions if c["max_length"] is not None)
+    assert cut and max(cut) == 3
