@@ -132,13 +132,15 @@ def test_logging_steps_save_steps_and_save_total_limit_through_sft(tmp_path, tin
 
 def test_scratch_tokenizer_fits_chars_or_words(tmp_path, sft_data, monkeypatch):
     """--scratch_tokenizer char | word: the from-scratch model's tokenizer splits a word into
-    letters or keeps it whole."""
+    letters or keeps it whole; --hidden_size and --num_layers size its model."""
     vocab = {}
     for level in ("char", "word"):
         out = tmp_path / level
         run_main(sft, ["--dataset", sft_data, "--scratch_tokenizer", level, "--hidden_size", "32", "--num_layers", "1",
                        "--max_steps", "1", "--batch_size", "2", "--optim", "adamw", "--output_dir", str(out)], monkeypatch)
         vocab[level] = len(common.load_tokenizer(str(out)).tokenize(" alice bought"))
+        config = json.load(open(out / "config.json"))  # --hidden_size, --num_layers (defaults 192, 2)
+        assert (config["hidden_size"], config["num_hidden_layers"]) == (32, 1)
     assert vocab["char"] > vocab["word"]
 
 
@@ -241,3 +243,17 @@ def test_length_flags_cut_what_each_script_encodes(script, tmp_path, tiny_qwen, 
         cut = [c["out"][0].shape[1] for c in completions if c["max_length"] is not None]
         assert all(c["max_length"] == 3 for c in completions if c["max_length"] is not None)
     assert cut and max(cut) == 3
+
+
+def test_expand_layers_adds_decoder_layers_to_the_reward_model(tmp_path, tiny_qwen, monkeypatch):
+    """reward.py --expand_layers: the saved reward model has the policy's 2 layers plus this many."""
+    from test_main_calls import preference_file
+
+    import reward
+
+    for n in (0, 2):
+        out = tmp_path / f"expand{n}"
+        run_main(reward, ["--model", tiny_qwen, "--dataset", preference_file(tmp_path), "--batch_size", "2", "--max_steps", "1",
+                          "--eval_steps", "0", "--expand_layers", str(n), "--optim", "adamw", "--output_dir", str(out)],
+                 monkeypatch)
+        assert json.load(open(out / "config.json"))["num_hidden_layers"] == 2 + n
