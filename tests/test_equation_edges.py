@@ -1,0 +1,93 @@
+"""What the generated mutants (tests/mutants_generated.py) showed no test pinned down in the
+equation functions: the clip metrics against TRL's definitions, the normalisers' guards at a
+single token, a NaN reward's advantage, the importance weight at exactly the cap, nanstd's shape,
+and the defaults a direct caller gets."""
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+import grpo
+
+
+def _args(**kw):
+    base = dict(epsilon=0.2, epsilon_high=0.28, dual_clip_c=3.0, beta=0.0, loss_type="grpo",
+                max_completion_length=5, importance_sampling_level="token")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _clip_batch():
+    """Ratios far inside and outside every clip, advantages of both signs, 0, and in (0, 1)."""
+    g = torch.Generator().manual_seed(0)
+    N, C = 12, 5
+    old = -torch.rand(N, C, generator=g) * 2
+    logprobs = old + torch.randn(N, C, generator=g) * 1.5  # ratios from ~0.01 to ~100
+    adv = torch.tensor([-2.0, -0.5, 0.0, 0.3, 0.7, 1.5, -1.0, 0.5, 2.0, -0.2, 0.0, 0.9])
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (N,), generator=g)[:, None]).float()
+    return logprobs, old, adv, mask
+
+
+def test_clip_metrics_match_trls_definitions():
+    """clip_ratio/low_mean: ratio < 1 - eps where A < 0; high_mean: ratio > 1 + eps_high where
+    A > 0; clip_ratio: either; dual_mean: ratio > c where A < 0 (never with c = 0 or cispo); cispo:
+    only the cap 1 + eps_high binds, whatever the sign of A. Token means over the mask."""
+    logprobs, old, adv, mask = _clip_batch()
+    ratio = torch.exp(logprobs - old)
+    A = adv[:, None].expand_as(ratio)
+
+    def mean(x):
+        return float((x.float() * mask).sum() / mask.sum())
+
+    for a in (_args(), _args(dual_clip_c=0.0), _args(loss_type="cispo", epsilon_high=1.5), _args(loss_type="dapo")):
+        _, m = grpo.grpo_loss(logprobs, old, None, adv, mask, a)
+        if a.loss_type == "cispo":
+            low, high = torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + a.epsilon_high
+        else:
+            low, high = (ratio < 1 - a.epsilon) & (A < 0), (ratio > 1 + a.epsilon_high) & (A > 0)
+        dual = (ratio > a.dual_clip_c) & (A < 0) if a.dual_clip_c and a.loss_type != "cispo" else torch.zeros_like(low)
+        assert 0 < mean(low | high) < 1 and (a.loss_type == "cispo" or 0 < mean(low) < mean(low | high))
+        assert math.isclose(m["clip_ratio"], mean(low | high), abs_tol=1e-7)
+        assert math.isclose(m["clip_ratio/low_mean"], mean(low), abs_tol=1e-7)
+        assert math.isclose(m["clip_ratio/high_mean"], mean(high), abs_tol=1e-7)
+        assert math.isclose(m["clip_ratio/dual_mean"], mean(dual), abs_tol=1e-7)
+        assert (mean(dual) > 0) == (a.dual_clip_c > 0 and a.loss_type != "cispo")
+
+
+def test_a_single_token_is_divided_by_one():
+    """The normalisers' clamp(min=1) only guards against 0 tokens: a batch of one real token
+    is divided by 1 (dapo's and bnpo's loss, the metrics, batch_normalisers)."""
+    logprobs, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -2.0]])  # ratio e on the real token
+    mask, adv = torch.tensor([[1.0, 0.0]]), torch.tensor([1.0])
+    for loss_type in ("dapo", "bnpo"):
+        loss, m = grpo.grpo_loss(logprobs, old, None, adv, mask, _args(loss_type=loss_type, dual_clip_c=0.0))
+        assert math.isclose(float(loss), -(1 + 0.28), rel_tol=1e-6)  # the clipped surrogate of that token
+        assert m["clip_ratio"] == 1.0 and m["clip_ratio/high_mean"] == 1.0
+    assert grpo.batch_normalisers([mask.long()]) == (1, torch.tensor(1.0))
+
+
+def test_group_advantages_defaults_and_a_nan_reward():
+    """By default each group's own std (DeepSeekMath); a NaN reward (no function applied) is left
+    out of its group's mean and std and gets advantage exactly 0."""
+    rewards = torch.tensor([1.0, 2.0, 4.0, 0.0, 0.0, 3.0])
+    grouped = rewards.view(-1, 3)
+    expected = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + grpo.ADV_EPS)).reshape(-1)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 3), expected, rtol=0, atol=1e-6)
+    with_nan = torch.tensor([1.0, float("nan"), 3.0, 0.0, 0.0, 3.0])
+    adv = grpo.group_advantages(with_nan, 3)
+    assert adv[1] == 0.0 and adv[0] == -adv[2] and math.isclose(float(adv[2]), 1 / (math.sqrt(2) + grpo.ADV_EPS), rel_tol=1e-6)
+
+
+def test_nanstd_is_torch_std_and_keeps_its_shape_only_when_asked():
+    x = torch.tensor([[1.0, 2.0, 4.0], [0.0, 0.0, 3.0]])
+    assert grpo.nanstd(x).shape == () and torch.isclose(grpo.nanstd(x), x.std())
+    assert grpo.nanstd(x, 1).shape == (2,) and grpo.nanstd(x, 1, keepdim=True).shape == (2, 1)
+
+
+def test_importance_weight_at_exactly_the_cap_is_kept():
+    """*_mask zeroes a weight above the cap, not one equal to it."""
+    lp = torch.zeros(2, 3)
+    mask = torch.ones(2, 3)
+    for mode in ("token_mask", "sequence_mask"):
+        w = grpo.importance_sampling_weights(lp, lp, mask, mode, cap=1.0)  # rho exactly 1 == the cap
+        assert (w == 1.0).all(), mode
