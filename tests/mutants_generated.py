@@ -51,7 +51,7 @@ TESTS = {
     "ppo.py": [T + "test_ppo.py::test_vectorised_gae_matches_a_python_loop", T + "test_ppo.py::test_dual_clip_loss_matches_the_formula",
                T + "test_ppo.py::test_value_loss_matches_the_formula", T + "test_ppo.py::test_kl_penalty_and_score_placement",
                T + "test_ppo.py::test_first_minibatch_has_ratio_one", T + "test_ppo.py::test_masked_whiten_over_real_tokens",
-               T + "test_main_calls.py::test_ppo_main_passes_rewards_gae_targets_and_loss_weights"],
+               T + "test_main_calls.py::test_ppo_main_passes_rewards_gae_targets_and_loss_weights", T + "test_equation_edges.py"],
     "dpo.py": [T + "test_dpo.py::test_dpo_loss_on_a_hand_computed_pair", T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations",
                T + "test_dpo.py::test_step_zero_loss_is_ln2_and_margins_are_zero",
                T + "test_dpo.py::test_precomputed_and_live_reference_give_the_same_loss",

@@ -91,3 +91,77 @@ def test_importance_weight_at_exactly_the_cap_is_kept():
     for mode in ("token_mask", "sequence_mask"):
         w = grpo.importance_sampling_weights(lp, lp, mask, mode, cap=1.0)  # rho exactly 1 == the cap
         assert (w == 1.0).all(), mode
+
+
+# ---------------------------------------------------------------- ppo.py
+def _ppo_batch(seed=1, B=6, C=5):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, C, generator=g) * 2
+    logprobs = old + torch.randn(B, C, generator=g) * 0.8
+    adv = torch.randn(B, C, generator=g)
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (B,), generator=g)[:, None]).float()
+    values, old_values, returns = (torch.randn(B, C, generator=g) for _ in range(3))
+    return logprobs, old, adv, mask, values, old_values, returns
+
+
+def test_ppo_losses_divide_by_the_minibatch_tokens_and_report_their_metrics():
+    """policy_loss / value_loss with num_tokens: the sum over this micro-batch's tokens divided by
+    the minibatch's count (not this micro-batch's); their metrics are this micro-batch's token
+    means of the transcribed terms (TRL's pg_loss, clipfrac, approx_kl, vf_loss, vf_clipfrac)."""
+    import ppo
+
+    logprobs, old, adv, mask, values, old_values, returns = _ppo_batch()
+    n = float(mask.sum())
+
+    def mean(x, count=n):
+        return float((x * mask).sum() / count)
+
+    ratio = torch.exp(logprobs - old)
+    surrogate = torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    objective = torch.where(adv < 0, torch.max(surrogate, 2.0 * adv), surrogate)
+    loss, stats = ppo.policy_loss(logprobs, old, adv, mask, 0.2, 2.0, num_tokens=torch.tensor(3 * n))
+    assert math.isclose(float(loss), -mean(objective, 3 * n), rel_tol=1e-5)
+    assert math.isclose(stats["pg_loss"], -mean(objective), rel_tol=1e-5)
+    assert math.isclose(stats["approx_kl"], 0.5 * mean((logprobs - old) ** 2), rel_tol=1e-5)
+    assert math.isclose(stats["clipfrac"], mean((ratio * adv > surrogate).float()), rel_tol=1e-6)
+    clipped = old_values + (values - old_values).clamp(-0.3, 0.3)
+    losses = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    loss, stats = ppo.value_loss(values, old_values, returns, mask, 0.3, num_tokens=torch.tensor(3 * n))
+    assert math.isclose(float(loss), 0.5 * mean(losses, 3 * n), rel_tol=1e-5)
+    assert math.isclose(stats["vf_loss"], 0.5 * mean(losses), rel_tol=1e-5)
+    frac = mean(((clipped - returns) ** 2 > (values - returns) ** 2).float())
+    assert 0 < frac < 1 and math.isclose(stats["vf_clipfrac"], frac, rel_tol=1e-6)
+    assert math.isclose(float(ppo.masked_mean(values, mask, torch.tensor(7.0))), mean(values, 7.0), rel_tol=1e-6)
+
+
+def test_explained_variance_is_one_minus_the_residual_share():
+    import ppo
+
+    _, _, _, mask, values, _, returns = _ppo_batch(seed=2)
+    real = mask.bool()
+    r, v = returns[real].double(), values[real].double()
+    expected = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
+    assert math.isclose(float(ppo.explained_variance(values, returns, mask)), float(expected), rel_tol=1e-5)
+    assert float(ppo.explained_variance(returns, returns, mask)) == 1.0
+
+
+def test_the_score_adds_to_the_last_tokens_kl_penalty():
+    """r_t = -kl_coef * kl_t everywhere, plus the score on the last real token (not instead of it)."""
+    import ppo
+
+    logprobs, ref = torch.tensor([[-1.0, -2.0, -1.5, 0.0]]), torch.tensor([[-1.5, -1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    rewards, kl, _ = ppo.per_token_rewards(torch.tensor([2.0]), logprobs, ref, mask, 0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 0.05 + 2.0, 0.0]]))
+
+
+def test_one_token_and_a_constant_are_whitened_to_zero():
+    """The counts' clamp(min=1) only guards against 0 tokens; a constant (variance 0) whitens to 0, not NaN."""
+    import ppo
+
+    one = torch.tensor([[1.0, 0.0]])
+    x = torch.tensor([[3.0, 5.0]])
+    assert float((ppo.masked_whiten(x, one) * one).sum()) == 0.0 and float(ppo.masked_mean(x, one)) == 3.0
+    assert float(ppo.minibatch_tokens([one])) == 1.0
+    constant = torch.full((2, 3), 4.0)
+    assert (ppo.masked_whiten(constant, torch.ones(2, 3)) == 0).all()
