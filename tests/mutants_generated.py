@@ -56,12 +56,14 @@ TESTS = {
                T + "test_dpo.py::test_step_zero_loss_is_ln2_and_margins_are_zero",
                T + "test_dpo.py::test_precomputed_and_live_reference_give_the_same_loss",
                T + "test_dpo.py::test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses",
-               T + "test_main_calls.py::test_dpo_main_passes_policy_and_reference_log_probs_in_order"],
+               T + "test_main_calls.py::test_dpo_main_passes_policy_and_reference_log_probs_in_order", T + "test_equation_edges.py"],
     "reward.py": [T + "test_reward.py::test_bradley_terry_loss_and_accuracy_on_hand_built_pairs",
                   T + "test_reward.py::test_pair_scores_match_scoring_each_sequence_alone",
-                  T + "test_main_calls.py::test_reward_main_passes_chosen_then_rejected_scores"],
+                  T + "test_main_calls.py::test_reward_main_passes_chosen_then_rejected_scores",
+                  T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[reward]"],
     "sft.py": [T + "test_main_calls.py::test_sft_main_passes_the_loss_mask_and_the_step_token_count",
-               T + "test_sft.py::test_two_micro_batches_train_like_one_of_twice_the_size"],
+               T + "test_sft.py::test_two_micro_batches_train_like_one_of_twice_the_size",
+               T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[sft]"],
     "eval.py": [T + "test_eval.py", T + "test_eval_stats.py", "-k", "not end_to_end and not methods_from_the_command_line"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]

@@ -165,3 +165,19 @@ def test_one_token_and_a_constant_are_whitened_to_zero():
     assert float(ppo.minibatch_tokens([one])) == 1.0
     constant = torch.full((2, 3), 4.0)
     assert (ppo.masked_whiten(constant, torch.ones(2, 3)) == 0).all()
+
+
+# ---------------------------------------------------------------- dpo.py
+def test_one_token_completions_are_divided_by_one(monkeypatch):
+    """RPO's per-token NLL and IPO's per-token mean log-probs divide by the token count; a
+    one-token completion is divided by 1 (the clamp only guards against 0)."""
+    import dpo
+    from rlhf import sampling
+
+    assert float(dpo.chosen_nll(torch.tensor([-3.0]), torch.tensor([[1, 0, 0]]), "sigmoid")) == 3.0
+    per_token = torch.tensor([[-3.0, 0.0], [-1.0, -1.0]])  # rows: chosen (1 token), rejected (2 tokens)
+    monkeypatch.setattr(sampling, "completion_logprobs", lambda model, p, pm, ids, mask, *a, **k: per_token * mask)
+    batch = {"prompt_ids": torch.zeros(1, 2, dtype=torch.long), "prompt_mask": torch.ones(1, 2, dtype=torch.long),
+             "completion_ids": torch.zeros(2, 2, dtype=torch.long), "completion_mask": torch.tensor([[1, 0], [1, 1]])}
+    chosen, rejected = dpo.pair_logps(None, batch, "ipo")
+    assert (float(chosen), float(rejected)) == (-3.0, -1.0)
