@@ -63,7 +63,7 @@ TESTS = {
                   T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[reward]"],
     "sft.py": [T + "test_main_calls.py::test_sft_main_passes_the_loss_mask_and_the_step_token_count",
                T + "test_sft.py::test_two_micro_batches_train_like_one_of_twice_the_size",
-               T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[sft]"],
+               T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[sft]", T + "test_equation_edges.py"],
     "eval.py": [T + "test_eval.py", T + "test_eval_stats.py", "-k", "not end_to_end and not methods_from_the_command_line"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]

@@ -181,3 +181,9 @@ def test_one_token_completions_are_divided_by_one(monkeypatch):
              "completion_ids": torch.zeros(2, 2, dtype=torch.long), "completion_mask": torch.tensor([[1, 0], [1, 1]])}
     chosen, rejected = dpo.pair_logps(None, batch, "ipo")
     assert (float(chosen), float(rejected)) == (-3.0, -1.0)
+
+
+def test_sft_loss_of_one_token_is_its_nll():
+    import sft
+
+    assert float(sft.sft_loss(torch.tensor([[-2.0, -5.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor(1.0))) == 2.0
