@@ -151,3 +151,41 @@ def test_eval_main_reports_the_statistics_of_its_own_judgments(tmp_path, monkeyp
     assert 0 < W < n
     elo_b = 1000 + 400 * math.log10((W + 0.5) / (n - W + 0.5))
     assert results["elo"]["a"]["elo"] == 1000.0 and abs(results["elo"]["b"]["elo"] - elo_b) < 1e-6
+
+
+# ---------------------------------------------------------------- what the generated mutants showed unpinned
+def test_every_prompt_and_every_run_can_be_drawn():
+    """Each resample draws n of the n prompts with replacement: every prompt (the first too) is
+    drawn once per resample on average; likewise every run."""
+    counts, (run_counts,), _ = ev.bootstrap_plan(6, [3], 4000, seed=0)
+    assert np.allclose(counts.mean(0), 1.0, atol=0.06) and np.allclose(run_counts.mean(0), 1.0, atol=0.06)
+    assert (ev.resample_counts(ev.bootstrap_indices(6, 4000, 0), 6) == counts).all()
+
+
+def test_batched_elo_is_the_elo_of_each_resample():
+    """bradley_terry_elo on a stack of win matrices (B, k, k), as the bootstrap calls it, gives
+    each matrix's own Elo."""
+    g = np.random.default_rng(0)
+    wins = g.uniform(0, 10, size=(5, 3, 3)) * (1 - np.eye(3))
+    batched = ev.bradley_terry_elo(wins)
+    for b in range(5):
+        assert np.allclose(batched[b], ev.bradley_terry_elo(wins[b]), atol=1e-6)
+
+
+def test_pass_at_k_stats_and_win_rate_stats_report_every_field():
+    """pass@k over (runs, prompts, samples) with three different sizes, with both intervals under
+    their names; win_rate_stats' prompt-only significance and run counts."""
+    correct = np.random.default_rng(1).integers(0, 2, size=(2, 5, 4))  # 2 runs, 5 prompts, 4 samples
+    counts, run_counts, ones = ev.bootstrap_plan(5, [2], 300, seed=0)
+    stats = ev.pass_at_k_stats(correct, [1, 2], counts, run_counts, ones)
+    for k in (1, 2):
+        per_prompt = np.array([[ev.pass_at_k(4, int(c), k) for c in run.sum(-1)] for run in correct])
+        expected = ev.mean_cis(per_prompt, counts, run_counts, ones)
+        got = stats[f"pass@{k}"]
+        assert (got["value"], got["ci_low"], got["ci_high"], got["seed_ci_low"], got["seed_ci_high"]) == expected
+    outcomes = np.ones((3, 2, 20))  # a wins every game: significant on both levels
+    counts, run_counts, ones = ev.bootstrap_plan(20, [3, 2], 200, seed=0)
+    s = ev.win_rate_stats(outcomes, counts, run_counts, ones)
+    assert s["prompt_significant"] and s["significant"] and (s["runs_a"], s["runs_b"], s["n"]) == (3, 2, 20)
+    s = ev.win_rate_stats(np.full((3, 2, 20), 0.5), counts, run_counts, ones)
+    assert not s["prompt_significant"] and not s["significant"] and s["ties"] == 120
