@@ -189,3 +189,12 @@ def test_pass_at_k_stats_and_win_rate_stats_report_every_field():
     assert s["prompt_significant"] and s["significant"] and (s["runs_a"], s["runs_b"], s["n"]) == (3, 2, 20)
     s = ev.win_rate_stats(np.full((3, 2, 20), 0.5), counts, run_counts, ones)
     assert not s["prompt_significant"] and not s["significant"] and s["ties"] == 120
+
+
+def test_percentile_interval_and_unbounded_sides():
+    """The 95% interval cuts 2.5% from each side; a policy that never won against the anchor's
+    side has Elo -inf (-1), one that never lost +inf (+1)."""
+    lo, hi = ev.percentile_ci(np.arange(1001) / 1000)
+    assert math.isclose(lo, 0.025) and math.isclose(hi, 0.975)
+    assert ev.unbounded_elo(np.array([[0.0, 5.0], [0.0, 0.0]])).tolist() == [0, -1]
+    assert ev.unbounded_elo(np.array([[0.0, 0.0], [5.0, 0.0]])).tolist() == [0, 1]
