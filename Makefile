@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-real demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-lower-bounds vllm-env test-vllm mutants clean
+.PHONY: install demo demo-real demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -166,6 +166,14 @@ test: install
 # docs/tests.md gives its time and score). Fails on a survivor or a stale entry.
 mutants:
 	OMP_NUM_THREADS=1 $(PYTHON) tests/mutants.py
+
+# Mutants nobody chose: mutmut writes every mutant its operators know in the equation functions of
+# grpo, ppo, dpo, reward, sft and eval.py's statistics (tests/mutants_generated.py: TARGETS) and runs
+# the tests that cover each file. Not part of `make test`; the docs give its score, time and survivors.
+MUTMUT_VERSION ?= 3.8.1
+mutants-generated:
+	@$(PYTHON) -c "import mutmut" 2>/dev/null || $(PYTHON) -m pip install -q mutmut==$(MUTMUT_VERSION)
+	OMP_NUM_THREADS=1 $(PYTHON) tests/mutants_generated.py --mutmut "$(PYTHON) -m mutmut"
 
 # The declared lower bounds, proven: a fresh virtualenv with every requirement at exactly its
 # lower bound (requirements.txt's >= read as ==), then the whole test suite in it. Not part of

@@ -1,0 +1,147 @@
+"""Generated mutants: mutmut (https://github.com/boxed/mutmut, 3.x) writes every one-line mutant
+its operators know in the equation functions of the algorithm files (losses, advantages, GAE, KL,
+clipping, eval's statistics; TARGETS below) and runs, for each, the tests that cover that file
+(TESTS below; the fast ones: unit tests against the equations and the main() spies of
+test_main_calls.py). Unlike tests/mutants.py, no one chose these mutants: the score measures the
+suite, not a list written against it. Not part of `make test` (make mutants-generated).
+
+    python tests/mutants_generated.py                  # every file, one after the other
+    python tests/mutants_generated.py --only ppo.py    # one file
+
+Each file runs in its own temporary copy of the repository (git-tracked files), where every other
+function of that file is wrapped in mutmut's `# pragma: no mutate start/end`, so only TARGETS are
+mutated. Survivors are printed with their diff (mutmut show); the docs list each with its reason.
+"""
+
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TARGETS = {
+    "grpo.py": ["nanstd", "group_advantages", "batch_advantages", "batch_normalisers", "importance_sampling_weights",
+                "grpo_loss"],
+    "ppo.py": ["masked_mean", "minibatch_tokens", "masked_whiten", "per_token_rewards", "gae", "policy_loss", "value_loss",
+               "explained_variance"],
+    "dpo.py": ["dpo_loss", "chosen_nll", "pair_logps"],
+    "reward.py": ["bradley_terry_loss", "pair_scores"],
+    "sft.py": ["sft_loss"],
+    "eval.py": ["outcomes_from_scores", "outcomes_from_probs", "bootstrap_indices", "resample_counts", "bootstrap_plan",
+                "resampled_totals", "percentile_ci", "mean_cis", "pass_at_k", "pass_at_k_stats", "group_stats",
+                "win_rate_stats", "win_matrix", "bradley_terry_elo", "unbounded_elo", "expected_wins"],
+}
+T = "tests/"
+TESTS = {
+    "grpo.py": [T + "test_grpo.py::test_group_advantages_on_hand_built_rewards", T + "test_grpo.py::test_loss_matches_the_formula",
+                T + "test_grpo.py::test_dual_clip_bounds_negative_advantages",
+                T + "test_grpo.py::test_on_policy_ratio_is_one_and_kl_zero_at_the_reference",
+                T + "test_grpo.py::test_two_micro_batches_train_like_one",
+                T + "test_trl_knobs.py::test_gspo_bnpo_cispo_match_their_equations",
+                T + "test_vllm.py::test_importance_sampling_weights_equal_trls",
+                T + "test_vllm.py::test_is_weights_multiply_the_policy_loss_before_the_kl",
+                T + "test_main_calls.py::test_grpo_main_passes_the_batch_its_advantages_and_its_reference",
+                T + "test_flag_effects.py::test_mask_truncated_completions_zeroes_the_loss_mask_of_cut_completions",
+                T + "test_equation_edges.py"],
+    "ppo.py": [T + "test_ppo.py::test_vectorised_gae_matches_a_python_loop", T + "test_ppo.py::test_dual_clip_loss_matches_the_formula",
+               T + "test_ppo.py::test_value_loss_matches_the_formula", T + "test_ppo.py::test_kl_penalty_and_score_placement",
+               T + "test_ppo.py::test_first_minibatch_has_ratio_one", T + "test_ppo.py::test_masked_whiten_over_real_tokens",
+               T + "test_main_calls.py::test_ppo_main_passes_rewards_gae_targets_and_loss_weights", T + "test_equation_edges.py"],
+    "dpo.py": [T + "test_dpo.py::test_dpo_loss_on_a_hand_computed_pair", T + "test_dpo.py::test_dpo_loss_and_gradient_match_the_equations",
+               T + "test_dpo.py::test_step_zero_loss_is_ln2_and_margins_are_zero",
+               T + "test_dpo.py::test_precomputed_and_live_reference_give_the_same_loss",
+               T + "test_dpo.py::test_rpo_nll_is_the_per_token_nll_of_the_chosen_responses",
+               T + "test_main_calls.py::test_dpo_main_passes_policy_and_reference_log_probs_in_order", T + "test_equation_edges.py"],
+    "reward.py": [T + "test_reward.py::test_bradley_terry_loss_and_accuracy_on_hand_built_pairs",
+                  T + "test_reward.py::test_pair_scores_match_scoring_each_sequence_alone",
+                  T + "test_main_calls.py::test_reward_main_passes_chosen_then_rejected_scores",
+                  T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[reward]"],
+    "sft.py": [T + "test_main_calls.py::test_sft_main_passes_the_loss_mask_and_the_step_token_count",
+               T + "test_sft.py::test_two_micro_batches_train_like_one_of_twice_the_size",
+               T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[sft]", T + "test_equation_edges.py"],
+    "eval.py": [T + "test_eval.py", T + "test_eval_stats.py", "-k", "not end_to_end and not methods_from_the_command_line"],
+}
+OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
+
+
+def fence(path, targets):
+    """Wrap the top-level functions of `path` outside `targets` in mutmut's no-mutate pragmas."""
+    src = open(path).read()
+    tree = ast.parse(src)
+    found = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert set(targets) <= found, f"{path}: no function {sorted(set(targets) - found)} (refresh TARGETS)"
+    marks, fenced = {}, False
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and (node.name in targets) == fenced:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            marks[first] = "# pragma: no mutate " + ("end" if fenced else "start")
+            fenced = not fenced
+    lines = []
+    for i, line in enumerate(src.splitlines()):
+        lines += [marks[i]] if i in marks else []
+        lines.append(line)
+    lines += ["# pragma: no mutate end"] if fenced else []
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run_file(name, mutmut, timeout):
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="mutmut-") as copy:
+        for f in filter(None, tracked.split("\0")):
+            if os.path.isfile(os.path.join(ROOT, f)):
+                os.makedirs(os.path.join(copy, os.path.dirname(f)), exist_ok=True)
+                shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+        fence(os.path.join(copy, name), TARGETS[name])
+        also = [f for f in [*TARGETS, *OTHER] if f != name]
+        with open(os.path.join(copy, "setup.cfg"), "w") as f:
+            f.write("[mutmut]\nsource_paths=\n    " + name + "\nalso_copy=\n" + "".join(f"    {a}\n" for a in also)
+                    + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in TESTS[name]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+        start = time.time()
+        try:
+            subprocess.run([*mutmut, "run", "--max-children", "1"], cwd=copy, env=env, timeout=timeout,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: stopped after {timeout} s (--timeout); the results so far:")
+        seconds = time.time() - start
+        results = subprocess.run([*mutmut, "results", "--all", "true"], cwd=copy, env=env, capture_output=True, text=True).stdout
+        status = {}
+        for line in results.splitlines():
+            if ":" in line and "__mutmut_" in line:
+                mutant, state = (x.strip() for x in line.rsplit(":", 1))
+                status[mutant] = state
+        killed = sum(s in ("killed", "timeout") for s in status.values())
+        survived = sorted(m for m, s in status.items() if s == "survived")
+        other = sorted(f"{m} ({s})" for m, s in status.items() if s not in ("killed", "timeout", "survived"))
+        print(f"{name}: {killed}/{len(status)} killed, {len(survived)} survived, {len(other)} other, {seconds:.0f} s")
+        for m in survived:
+            diff = subprocess.run([*mutmut, "show", m], cwd=copy, env=env, capture_output=True, text=True).stdout
+            print(f"--- survived: {m}\n" + "\n".join(l for l in diff.splitlines() if l.startswith(("+", "-")) and
+                                                       not l.startswith(("+++", "---"))))
+        for m in other:
+            print(f"--- {m}")
+        return killed, len(status)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="Comma-separated files (default: all of TARGETS).")
+    parser.add_argument("--timeout", type=int, default=1800, help="Seconds per file.")
+    parser.add_argument("--mutmut", default="mutmut", help="The mutmut command (default: mutmut on PATH).")
+    args = parser.parse_args()
+    files = args.only.split(",") if args.only else list(TARGETS)
+    start, killed, total = time.time(), 0, 0
+    for name in files:
+        k, n = run_file(name, args.mutmut.split(), args.timeout)
+        killed, total = killed + k, total + n
+    print(f"generated mutants: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%) in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
