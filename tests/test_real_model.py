@@ -128,3 +128,34 @@ def test_top_p_keeps_the_tokens_transformers_keeps(real):
             ours = sampling.processed_logits(rows, temperature, top_p=top_p).isinf()
             hf = TopPLogitsWarper(top_p)(None, rows / temperature).isinf()
             assert torch.equal(ours, hf), (temperature, top_p, int((ours != hf).sum()))
+
+
+def test_a_saved_reward_model_scores_in_transformers_as_in_the_project(real, tmp_path, monkeypatch):
+    """reward.py from the causal LM, one step, saved; transformers' AutoModelForSequenceClassification
+    reads the score at the last token that is not config.pad_token_id. Plain-text completions that
+    end in <|im_end|> (pad == EOS in SmolLM2's tokenizer) must be scored at that token there too,
+    as the project scores them (sampling.score_texts), in one right-padded batch: with pad == EOS
+    saved, transformers read them one token early (off by ~1 against the project's score)."""
+    import reward
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    pairs = [("Q: What is 2 + 2? A:", " 4.<|im_end|>", " 5.<|im_end|>"),
+             ("Q: Name a colour. A:", " Blue.<|im_end|>", " Seven, I think.<|im_end|>")] * 2
+    with open(tmp_path / "prefs.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs)
+    out = str(tmp_path / "reward")
+    run_main(reward, ["--model", MODEL, "--dataset", str(tmp_path / "prefs.jsonl"), "--max_steps", "1", "--batch_size", "2",
+                      "--test_size", "0.5", "--eval_steps", "0", "--optim", "adamw", "--dtype", "float32",
+                      "--output_dir", out], monkeypatch)
+    prompts = [p for p, _, _ in pairs[:2]] * 2
+    completions = [c for _, c, _ in pairs[:2]] + [r for _, _, r in pairs[:2]]
+    model, tokenizer = common.load_reward_model(out, common.ModelArgs(model=out, dtype="float32"))
+    ours = sampling.score_texts(model, tokenizer, prompts, completions)  # (4,)
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    hf_model = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    batch = hf_tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True, padding_side="right")
+    assert batch["attention_mask"].sum(1).unique().numel() > 1  # uneven: padding is in the batch
+    with torch.no_grad():
+        hf = hf_model(**batch).logits[:, 0]
+    assert torch.allclose(ours, hf, atol=1e-4), (ours, hf)
+    assert hf_model.config.pad_token_id != hf_tokenizer.eos_token_id == real[1].eos_token_id
