@@ -181,8 +181,9 @@ def main():
         if parallel.is_main():
             print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
     if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
-        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
-                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
+        prompt_length, completion_length = memory.data_lengths(args, "prefs")  # the widest micro-batch's tokens
+        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, train_prompts=args.batch_size,
+                          extra_layers=args.expand_layers, prompt_length=prompt_length, completion_length=completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())
     device = common.device()

@@ -104,8 +104,9 @@ def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
     args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
-        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=args.max_prompt_length,
-                          completion_length=args.max_completion_length)
+        prompt_length, completion_length = memory.data_lengths(args, script)  # the widest micro-batch's tokens
+        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=prompt_length,
+                          completion_length=completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()

@@ -159,3 +159,64 @@ def test_a_saved_reward_model_scores_in_transformers_as_in_the_project(real, tmp
         hf = hf_model(**batch).logits[:, 0]
     assert torch.allclose(ours, hf, atol=1e-4), (ours, hf)
     assert hf_model.config.pad_token_id != hf_tokenizer.eos_token_id == real[1].eos_token_id
+
+
+def test_use_peft_starts_at_kl_zero_and_merges_as_peft(tmp_path):
+    """grpo.py --use_peft, one step: the policy is the reference at step 1 (LoRA's B starts at 0, the
+    reference is the base with its adapters off), so the logged kl is exactly 0; the merged folder
+    it saves equals peft's merge_and_unload of its adapter folder, tensor for tensor."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_script
+
+    prompts, out = tmp_path / "prompts.jsonl", str(tmp_path / "grpo")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS[:4])
+    with open(tmp_path / "rewards.py", "w") as f:
+        f.write("def brevity(completions, **kw):\n    return [-len(str(c)) / 100 for c in completions]\n")
+    run_script("grpo.py", "--model", MODEL, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/rewards.py:brevity",
+               "--use_peft", "--beta", "0.04", "--batch_size", "2", "--num_generations", "2", "--max_completion_length", "8",
+               "--gradient_accumulation_steps", "1", "--max_steps", "1", "--learning_rate", "1e-3", "--dtype", "float32",
+               "--output_dir", out)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert first["step"] == 1 and first["kl"] == 0.0, first
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, os.path.join(out, "adapter")).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], reference[k]) for k in merged)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           AutoModelForCausalLM.from_pretrained(MODEL).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 28)
+
+
+@pytest.mark.parametrize("setting", ["short", "long"])
+def test_the_grpo_memory_plan_is_within_20_percent_of_the_peak(setting, tmp_path, monkeypatch, capsys):
+    """--estimate_memory against the peak RSS of the same grpo.py step (fp32, CPU), with 40-token chat
+    prompts and with ~400-token ones. The plan sizes the micro-batch by the data's longest prompt, each
+    prompt once before its completions (sampling.completion_states), and keys/values as HF's SDPA keeps
+    them; it sized 4 x 4 completions at 4 x 4 x (512 + 32) tokens (2.9x the peak)."""
+    import grpo
+
+    from conftest import run_script
+
+    questions = QUESTIONS[:4] if setting == "short" else [f"{LONG} {q}" for q in QUESTIONS[:4]]
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in questions)
+    with open(tmp_path / "rewards.py", "w") as f:
+        f.write("def brevity(completions, **kw):\n    return [-len(str(c)) / 100 for c in completions]\n")
+    flags = ["--model", MODEL, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/rewards.py:brevity", "--beta", "0.04",
+             "--batch_size", "4" if setting == "short" else "2", "--num_generations", "4", "--max_completion_length", "32",
+             "--gradient_accumulation_steps", "1", "--max_steps", "1", "--dtype", "float32", "--output_dir", str(tmp_path / "grpo")]
+    with pytest.raises(SystemExit):
+        run_main(grpo, [*flags, "--estimate_memory"], monkeypatch)
+    planned = float(capsys.readouterr().out.strip().splitlines()[-1].split()[1])  # GB = 2**30 bytes
+    run_script("grpo.py", *flags)
+    with open(tmp_path / "grpo" / "memory.json") as f:
+        peak = json.load(f)["peak_bytes"] / 2**30
+    assert abs(planned - peak) <= 0.2 * peak, (setting, planned, peak)
