@@ -306,6 +306,12 @@ MUTANTS = [
            "ids, train = ids + t, train + [int(is_trained)] * len(t)",
            "ids, train = ids + t, train + [1] * len(t)",
            [T + "test_trl_knobs.py::test_every_assistant_turn_is_trained_and_nothing_else"]),
+    # ---------------------------------------------------------------- memory.py: the plan on the real model
+    Mutant("memory_plan_prompt_copied_per_completion", "rlhf/memory.py",
+           "prompts = train_sequences if ckpt or not train_prompts else train_prompts  # each prompt's forward",
+           "prompts = train_sequences  # each prompt's forward",
+           [T + "test_real_model.py::test_the_grpo_memory_plan_is_within_20_percent_of_the_peak[long]"],
+           note="needs models/ (make real-model)"),
     # ---------------------------------------------------------------- common.py, checkpoints.py: optimizer, guards
     Mutant("common_stochastic_rounding_truncates", "common.py",
            "target.copy_(((bits + noise) & -65536).view(torch.float32))",
