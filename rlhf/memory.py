@@ -412,7 +412,11 @@ def print_plan(args, **holds):
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
              f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
              f"per device, estimated from the config)")
-    print(note + memory_table(estimate_memory(args, **holds), title))  # the table's last line stays its total
+    rows = estimate_memory(args, **holds)
+    if not torch.cuda.is_available() and dtype == torch.float32:  # a run on this CPU: the process itself counts
+        rows.insert(-1, ("runtime", peak_memory_bytes(), "this process so far: Python, torch, transformers, tokenizer, "
+                         "data (on the CPU; a GPU plan leaves out the CUDA context)"))
+    print(note + memory_table(rows, title))  # the table's last line stays its total
     sys.exit(0)
 
 
