@@ -199,7 +199,8 @@ def test_the_grpo_memory_plan_is_within_20_percent_of_the_peak(setting, tmp_path
     """--estimate_memory against the peak RSS of the same grpo.py step (fp32, CPU), with 40-token chat
     prompts and with ~400-token ones. The plan sizes the micro-batch by the data's longest prompt, each
     prompt once before its completions (sampling.completion_states), and keys/values as HF's SDPA keeps
-    them; it sized 4 x 4 completions at 4 x 4 x (512 + 32) tokens (2.9x the peak)."""
+    them; from --max_prompt_length it planned 13.0 GB against a 3.16 GiB peak (short) and 7.39 GB
+    against 4.35 GiB (long); now 3.66 and 4.44 GB (fp32 plans also count the process: memory.print_plan)."""
     import grpo
 
     from conftest import run_script
