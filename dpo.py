@@ -299,9 +299,10 @@ def main():
         memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
                           reward_models=[args.reward_model] if args.online else [],
                           reward_note="the --reward_fn judge" if args.online else "implicit in DPO",
-                          train_sequences=2 * args.batch_size, generation_sequences=2 * args.batch_size if args.online else 0,
-                          prompt_length=args.max_prompt_length,
-                          completion_length=args.max_new_tokens if args.online else args.max_completion_length)
+                          train_sequences=2 * args.batch_size, train_prompts=args.batch_size,
+                          generation_sequences=2 * args.batch_size if args.online else 0,
+                          **dict(zip(["prompt_length", "completion_length"], memory.data_lengths(
+                              args, "rl" if args.online else "prefs", args.max_new_tokens if args.online else "data"))))
     common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
     if not 0 <= args.label_smoothing < 0.5:
         common.fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")

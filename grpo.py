@@ -361,9 +361,10 @@ def main():
     if args.estimate_memory:  # what GRPO holds: the policy, a reference unless beta == 0, reward models
         memory.print_plan(args, reference=True if args.beta else "--beta 0",
                           reward_models=args.reward_model.split(","), reward_note="reward function(s) only",
-                          train_sequences=args.batch_size * args.num_generations,
+                          train_sequences=args.batch_size * args.num_generations, train_prompts=args.batch_size,
                           generation_sequences=args.batch_size * args.num_generations,
-                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
+                          **dict(zip(["prompt_length", "completion_length"],
+                                     memory.data_lengths(args, "rl", args.max_completion_length))))
     common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
     common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
     common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])

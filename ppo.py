@@ -345,8 +345,8 @@ def main():
                           reward_models=[] if args.reward_fn or shared_rm else [args.reward_model],
                           reward_note="the critic's base with its adapters off (--use_peft)" if shared_rm else "--reward_fn only",
                           train_sequences=args.batch_size, generation_sequences=args.batch_size,
-                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length,
-                          offload=args.offload_frozen)
+                          offload=args.offload_frozen, **dict(zip(["prompt_length", "completion_length"],
+                                                                  memory.data_lengths(args, "rl", args.max_completion_length))))
     if args.dual_clip_c and args.dual_clip_c <= 1:
         common.fail(f"--dual_clip_c must be > 1 (or 0 to disable), got {args.dual_clip_c}.")
     for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):

@@ -105,6 +105,22 @@ def expand_layers(model, n):
     return model
 
 
+def score_pad_token(tokenizer, stops):
+    """The pad token to save with the reward model. transformers' *ForSequenceClassification (what TRL
+    and pipelines score with) reads the score at the last token that is not config.pad_token_id; with
+    pad == EOS (SmolLM2, Llama 3, Qwen2.5 base) a completion ending in EOS is scored one token early
+    there, where this project reads it at the EOS itself (masks come from lengths, not ids). A pad
+    token that is no stop token makes both read the same token: the unknown token, else the first
+    special token that is neither a stop token nor BOS; None where the vocabulary has none."""
+    if tokenizer.pad_token_id not in stops:
+        return tokenizer.pad_token
+    for token in [tokenizer.unk_token, *tokenizer.all_special_tokens]:
+        token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        if token_id is not None and token_id not in stops and token_id != tokenizer.bos_token_id:
+            return token
+    return None
+
+
 def bradley_terry_loss(chosen_rewards, rejected_rewards):
     """-log sigmoid(r_w - r_l), mean over pairs (Stiennon et al. 2020, Eq. 1), with its metrics."""
     margin = chosen_rewards - rejected_rewards  # (B,)
@@ -165,8 +181,9 @@ def main():
         if parallel.is_main():
             print(f"{script}: --use_peft: no new layers (--expand_layers 0)")
     if args.estimate_memory:  # what reward.py holds: one model with a score head, chosen + rejected per pair
-        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, extra_layers=args.expand_layers,
-                          prompt_length=args.max_prompt_length, completion_length=args.max_completion_length)
+        prompt_length, completion_length = memory.data_lengths(args, "prefs")  # the widest micro-batch's tokens
+        memory.print_plan(args, head="score", train_sequences=2 * args.batch_size, train_prompts=args.batch_size,
+                          extra_layers=args.expand_layers, prompt_length=prompt_length, completion_length=completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())
     device = common.device()
@@ -192,7 +209,13 @@ def main():
     # --use_peft: LoRA adapters on a frozen base, and the new score head trained in full
     model = common.load_model(args.model, args, cls=AutoModelForSequenceClassification, num_labels=1, adapters=True)
     expand_layers(model, args.expand_layers)  # before distributing, resuming and the optimizer: they see the new layers
-    model.config.pad_token_id = tokenizer.pad_token_id
+    pad = score_pad_token(tokenizer, sampling.stop_token_ids(model, tokenizer))
+    if pad is None:
+        print(f"{script}: note: every special token of {args.model} is a stop token, so the saved pad token is "
+              "EOS and transformers' sequence classifiers will read this model's scores one token before EOS.")
+    else:
+        tokenizer.pad_token = pad
+    model.config.pad_token_id = tokenizer.pad_token_id  # saved: where transformers' classes read the score
     # dropout off (TRL's disable_dropout=True) by zeroing it, in training mode (gradient checkpointing
     # works only there): scores are deterministic
     common.disable_dropout(model).train()

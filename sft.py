@@ -130,8 +130,12 @@ def main():
         common.fail("--max_length cuts whole examples: drop --max_prompt_length / --max_completion_length (they cut "
                     "prompt and completion apart, without --max_length).")
     if args.estimate_memory:  # what SFT holds: one trained model, no rollouts
-        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=0 if args.max_length else args.max_prompt_length,
-                          completion_length=args.max_length or args.max_completion_length)
+        if args.max_length:  # whole examples cut at --max_length (with --packing, rows of it)
+            prompt_length, completion_length = 0, args.max_length
+        else:  # the widest micro-batch's tokens, from the data
+            prompt_length, completion_length = memory.data_lengths(args, script)
+        memory.print_plan(args, train_sequences=args.batch_size, prompt_length=prompt_length,
+                          completion_length=completion_length)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset seeds; the data order comes from batch_indices
     device = common.device()

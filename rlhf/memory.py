@@ -14,6 +14,7 @@ import torch
 
 from rlhf import checkpoints
 import common
+from rlhf import data
 from rlhf import lora
 from rlhf import parallel
 from worlds import world
@@ -153,7 +154,7 @@ def sr_bucket_numel(numels):
     return largest
 
 
-def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0):
+def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0, kv_tokens=None, kv_width=None):
     """Bytes autograd keeps for backward over `tokens` (sequences x length) of a Llama/Qwen-style
     decoder with flash/SDPA attention (no seq x seq scores kept).
 
@@ -161,7 +162,11 @@ def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0)
     tiny Qwen2, exact there): nbytes * (8 h + 4 I + 2 kv) for the norm outputs, q/k/v/o inputs,
     attention output and the SwiGLU MLP, + 2 h * (4 - nbytes) because RMSNorm saves its input in
     fp32, + 4 * heads + 8 (attention log-sum-exp, norm statistics). h: hidden size, I:
-    intermediate size, kv: key/value width. With gradient checkpointing only each layer's input
+    intermediate size, kv: key/value width. Keys and values are kept once per key position that
+    each row attends to, `kv_tokens` (default: `tokens`; rows that continue a shared prompt's cache
+    attend to all of its positions, so there it is rows x (prompt + completion)), at `kv_width`
+    (default: the config's; HF's SDPA path with an attention mask repeats them to every query head,
+    estimate_memory passes that width). With gradient checkpointing only each layer's input
     (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
     `adapters_per_layer`: LoRA's bytes per token and layer (peft_plan), on top of the base's
     (counted in full, as if the frozen base layers saved what trained ones do: an upper bound).
@@ -172,12 +177,14 @@ def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0)
     h, layers = config.hidden_size, config.num_hidden_layers
     inter = getattr(config, "intermediate_size", 4 * h)
     heads = config.num_attention_heads
-    kv = _kv_width(config)
-    per_layer = nbytes * (8 * h + 4 * inter + 2 * kv) + 2 * h * (4 - nbytes) + 4 * heads + 8 + adapters_per_layer
+    kv = kv_width or _kv_width(config)
+    kv_tokens = tokens if kv_tokens is None else kv_tokens
+    per_layer = nbytes * (8 * h + 4 * inter) + 2 * h * (4 - nbytes) + 4 * heads + 8 + adapters_per_layer
+    layer = tokens * per_layer + kv_tokens * 2 * kv * nbytes  # one layer's, over the whole micro-batch
     final_norm = (4 + nbytes) * h
     if checkpointing:
-        return tokens * (layers * nbytes * h + per_layer + final_norm)
-    return tokens * (layers * per_layer + final_norm)
+        return tokens * (layers * nbytes * h + final_norm) + layer
+    return layers * layer + tokens * final_norm
 
 
 def _kv_width(config):
@@ -224,7 +231,7 @@ def vllm_engine_plan(args, config, numels, buffers, sequences, prompt_length, co
 
 def estimate_memory(args, *, train_sequences, prompt_length, completion_length, head="lm", reference=None,
                     critic_from=None, reward_models=None, reward_note="", generation_sequences=0,
-                    generation_length=None, offload=False, extra_layers=0):
+                    generation_length=None, offload=False, extra_layers=0, train_prompts=None):
     """The memory plan of a script that holds these things: a list of (component, bytes, note).
 
     What the script holds, from its own Args:
@@ -236,6 +243,10 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
                             models (maybe none: `reward_note` says what scores instead);
       train_sequences       sequences of prompt_length + completion_length tokens in one
                             training forward (a micro-batch);
+      train_prompts         the distinct prompts among them, when sequences continue a shared
+                            prompt (GRPO's groups, chosen + rejected: sampling.completion_states
+                            runs each prompt once, except under gradient checkpointing);
+      prompt_length, completion_length: the widest micro-batch's, in tokens (data_lengths);
       generation_sequences  sequences sampled at once, `generation_length` new tokens each;
       offload               frozen models wait on the CPU (--offload_frozen).
       extra_layers          decoder layers added on top of the model's (reward.py --expand_layers).
@@ -309,15 +320,22 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
 
     # the largest transient: a training micro-batch, a rollout, or the optimizer step's fp32 bucket
     logits = logits_plan(config, train_sequences * C) if head == "lm" else 0  # a score head has no vocabulary
-    train = activation_plan(config, train_sequences * (P + C), nb, ckpt, adapters) + logits
+    prompts = train_sequences if ckpt or not train_prompts else train_prompts  # each prompt's forward
+    tokens, kv_tokens = prompts * P + train_sequences * C, (prompts * P if prompts < train_sequences else 0) + train_sequences * (P + C)
+    flash = common.attn_implementation(args.attn_implementation) == "flash_attention_2"
+    width = None if flash else config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    train = activation_plan(config, tokens, nb, ckpt, adapters, kv_tokens, width) + logits
     if critic_from is not None:
-        train += activation_plan(c_config, train_sequences * (P + C), nb, ckpt, c_adapters)
+        c_width = None if flash else c_config.num_attention_heads * (
+            getattr(c_config, "head_dim", None) or c_config.hidden_size // c_config.num_attention_heads)
+        train += activation_plan(c_config, tokens, nb, ckpt, c_adapters, kv_tokens, c_width)
     gen = generation_plan(config, generation_sequences, P, gen_len, nb) if generation_sequences else 0
     visit = max(weights, reward_bytes) if offload else 0  # a frozen model on the device for its pass
     bucket = 8 * sr_bucket_numel(numels) if dtype == torch.bfloat16 and not args.use_peft else 0  # LoRA: fp32
     peak = max(train, gen, visit, bucket)
     if peak == train:
-        what = (f"training micro-batch: {train_sequences} x ({P}+{C}) tokens{', checkpointed' if ckpt else ''}"
+        shared = f"{prompts} x {P} + {train_sequences} x {C}" if prompts < train_sequences else f"{train_sequences} x ({P}+{C})"
+        what = (f"training micro-batch: {shared} tokens{', checkpointed' if ckpt else ''}"
                 + (", + one logits chunk" if logits else ""))
     elif peak == gen:
         what = f"generation: KV cache of {generation_sequences} x ({P}+{gen_len}) tokens, prefill, logits"
@@ -327,6 +345,38 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
         what = "optimizer step: fp32 copy of the largest bf16 bucket"
     rows.append(("activations", peak, what))
     return rows
+
+
+def data_lengths(args, split, completions="data"):
+    """(P, C): the tokens of the widest micro-batch the plan sizes, from the training data rather than
+    the flags' maxima: the longest prompt as the script renders it (chat template, default system
+    prompt) and cuts it (--max_prompt_length), and with `completions="data"` the longest completion
+    (SFT's, or a chosen or rejected response: EOS included, cut at --max_completion_length); sampled
+    completions (`completions` a number: their maximum length) may reach that maximum. A plan from
+    --max_prompt_length alone sized GRPO on SmolLM2 with 40-token prompts at 512 (5x the measured peak).
+    Without a local tokenizer (sft.py's from-scratch model, a folder holding a config alone, a Hub id:
+    the plan reads no more than config.json there), the flags' maxima."""
+    limit_c = args.max_completion_length if completions == "data" else completions
+    if not any(os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return args.max_prompt_length, limit_c
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    ds = data.training_data(args, split)
+    if split == "prefs":
+        triples = data.preference_triples(ds, args.dataset)
+        pairs = [(p, r) for p, c, rj in triples for r in (c, rj)]
+    elif split == "rl":
+        data.require_columns(ds, ["prompt"], args.dataset)
+        pairs = [(p, None) for p in ds["prompt"]]
+    else:
+        pairs = data.sft_pairs(ds, args.dataset)
+    tools = list(ds["tools"]) if "tools" in ds.column_names and split != "prefs" else [None] * len(pairs)
+    prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p, t) for (p, _), t in zip(pairs, tools)])[1]
+    P = min(int(prompt_mask.sum(1).max()), args.max_prompt_length)
+    if completions != "data":
+        return P, limit_c
+    texts = ["".join(text for text, _ in data.render_turns(tokenizer, p, c, t)) for (p, c), t in zip(pairs, tools)]
+    C = int(data.encode_completions(tokenizer, texts)[1].sum(1).max())
+    return P, min(C, limit_c)
 
 
 def _config_or_policy(args, path, policy_config):
@@ -368,7 +418,11 @@ def print_plan(args, **holds):
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
              f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
              f"per device, estimated from the config)")
-    print(note + memory_table(estimate_memory(args, **holds), title))  # the table's last line stays its total
+    rows = estimate_memory(args, **holds)
+    if not torch.cuda.is_available() and dtype == torch.float32:  # a run on this CPU: the process itself counts
+        rows.insert(-1, ("runtime", peak_memory_bytes(), "this process so far: Python, torch, transformers, tokenizer, "
+                         "data (on the CPU; a GPU plan leaves out the CUDA context)"))
+    print(note + memory_table(rows, title))  # the table's last line stays its total
     sys.exit(0)
 
 

@@ -17,6 +17,7 @@ from rlhf import checkpoints
 import common
 from rlhf import data
 from rlhf import lora
+from rlhf import real_model
 from rlhf import sampling
 from rlhf import vllm_rollouts
 
@@ -54,7 +55,7 @@ def parse_methods(specs):
     methods = []
     for spec in specs:
         if "=" not in spec:
-            methods.append((next(bare), [spec]))
+            methods.append((next(bare), [real_model.gguf_folder(spec) if spec.endswith(".gguf") else spec]))
             continue
         name, _, patterns = spec.partition("=")
         if not name or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
@@ -74,7 +75,7 @@ def parse_methods(specs):
                 skipped = [m for m in matches if m not in found]
                 print(f"eval: note: {pattern!r} also matches {len(skipped)} path(s) that are not model folders, left out "
                       f"(e.g. {skipped[0]}).")
-            paths += found
+            paths += [real_model.gguf_folder(m) if m.endswith(".gguf") else m for m in found]
         methods.append((name, paths))
     names = [name for name, _ in methods]
     for name in names:

@@ -363,10 +363,13 @@ def processed_logits(logits, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, rep
         kth = logits.topk(top_k, -1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # tokens after the nucleus is full (the first always stays)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        # HF's TopPLogitsWarper's rule, to the bit: sorted from the least probable up, the tokens whose
+        # cumulative probability is at most 1 - top_p go (the most probable always stays). Summing from
+        # the top instead rounds differently in float32 and drops a token at the boundary that HF keeps.
+        sorted_logits, order = logits.sort(-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     if min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))

@@ -283,6 +283,11 @@ MUTANTS = [
            "with torch.no_grad():",
            [T + "test_peft.py::test_4bit_trains_on_the_cpu_through_sft_dpo_and_grpo"]),
     # ---------------------------------------------------------------- reward.py, sft.py
+    Mutant("reward_saved_pad_token_is_eos", "reward.py",
+           "        tokenizer.pad_token = pad",
+           "        tokenizer.pad_token = tokenizer.pad_token",
+           [T + "test_real_model.py::test_a_saved_reward_model_scores_in_transformers_as_in_the_project"],
+           note="needs models/ (make real-model): linked into the copy"),
     Mutant("reward_bradley_terry_sign", "reward.py",
            "margin = chosen_rewards - rejected_rewards  # (B,)",
            "margin = rejected_rewards - chosen_rewards  # (B,)",
@@ -312,6 +317,11 @@ MUTANTS = [
            "model.get_input_embeddings().weight[unused] *= 1.0",
            [T + "test_scratch.py::test_tokens_the_training_text_never_contains_start_at_zero_and_move_as_one"]),
     # ---------------------------------------------------------------- sampling.py, data.py
+    Mutant("sampling_top_p_summed_from_the_top", "rlhf/sampling.py",
+           "drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p",
+           "drop = (lambda p: p.cumsum(-1) - p > top_p)(logits.sort(-1, descending=True)[0].softmax(-1)).flip(-1)",
+           [T + "test_real_model.py::test_top_p_keeps_the_tokens_transformers_keeps"],
+           note="the rule before 2026-12-06 (float32 sum from the top); needs models/ (make real-model)"),
     Mutant("sampling_score_before_the_last_token", "rlhf/sampling.py",
            "last = completion_mask.sum(1)  # (B*k,)",
            "last = completion_mask.sum(1) - 1  # (B*k,)",
@@ -348,6 +358,12 @@ MUTANTS = [
            "ids, train = ids + t, train + [int(is_trained)] * len(t)",
            "ids, train = ids + t, train + [1] * len(t)",
            [T + "test_trl_knobs.py::test_every_assistant_turn_is_trained_and_nothing_else"]),
+    # ---------------------------------------------------------------- memory.py: the plan on the real model
+    Mutant("memory_plan_prompt_copied_per_completion", "rlhf/memory.py",
+           "prompts = train_sequences if ckpt or not train_prompts else train_prompts  # each prompt's forward",
+           "prompts = train_sequences  # each prompt's forward",
+           [T + "test_real_model.py::test_the_grpo_memory_plan_is_within_20_percent_of_the_peak[long]"],
+           note="needs models/ (make real-model)"),
     # ---------------------------------------------------------------- common.py, checkpoints.py: optimizer, guards
     Mutant("common_stochastic_rounding_truncates", "common.py",
            "target.copy_(((bits + noise) & -65536).view(torch.float32))",
@@ -578,6 +594,8 @@ def main():
         for f in tracked_files():
             os.makedirs(os.path.dirname(os.path.join(copy, f)) or copy, exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+        if os.path.isdir(os.path.join(ROOT, "models")):  # the real model (make real-model), not tracked
+            os.symlink(os.path.join(ROOT, "models"), os.path.join(copy, "models"))
         if not args.no_baseline:
             tests = sorted({t for m in mutants for t in m.tests})
             t0 = time.time()

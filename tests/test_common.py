@@ -264,3 +264,19 @@ def test_load_tokenizer_round_trips_the_world_tokenizer(tmp_path):
     text = "POST: alice bought the bike . TL;DR: alice bought bike ."
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
     assert loaded.decode(tok(text)["input_ids"]) == text
+
+
+def test_a_gguf_file_is_not_read_from_a_folder_made_from_another_file(tmp_path):
+    """--model path/to/file.gguf is dequantized once into path/to/file/ (rlhf/real_model.py); a folder
+    there made from another file of that name (its source.json says so) is refused, not trained."""
+    from rlhf import real_model
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "bytes": 1}))
+    with pytest.raises(SystemExit, match="holds another model than this file"):
+        real_model.gguf_folder(str(gguf))
+    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "bytes": 64}))
+    assert real_model.gguf_folder(str(gguf)) == str(tmp_path / "m")
