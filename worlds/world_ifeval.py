@@ -204,11 +204,23 @@ def echoes(text, prompt):
     return any(tuple(a[i:i + n]) in grams for i in range(len(a) - n + 1))
 
 
+_CONTRACTIONS = {"re": "are", "m": "am", "s": "is"}
+
+
+def _opening(text):
+    """The first OPENING_WORDS words, lowercased, a contraction spelled out ("You're" -> you, are)."""
+    out = []
+    for w in words(text)[:OPENING_WORDS]:
+        head, _, tail = w.lower().partition("'")
+        out += [head] + ([_CONTRACTIONS.get(tail, tail)] if tail else [])
+    return out[:OPENING_WORDS]
+
+
 def addressed(text, system):
-    """Whether the answer opens with the system turn's first OPENING_WORDS words ("You are ..."):
-    it speaks to the model, as the system prompt does, rather than answering the user."""
-    opening = [w.lower() for w in words(system)[:OPENING_WORDS]]
-    return len(opening) == OPENING_WORDS and [w.lower() for w in words(text)[:OPENING_WORDS]] == opening
+    """Whether the answer opens with the system turn's first OPENING_WORDS words ("You are ...",
+    "You're ..."): it speaks to the model, as the system prompt does, rather than answering the user."""
+    opening = _opening(system)
+    return len(opening) == OPENING_WORDS and _opening(text) == opening
 
 
 def is_response(text, prompt, constraints, keyword, system=SYSTEM):
