@@ -113,7 +113,7 @@ def test_answers_addressed_to_the_model_score_zero(with_system):
         return ifeval_strict([prompt], [[{"role": "assistant", "content": answer}]], [list(constraints)], ["desert"])[0]
 
     for answer in ["You are a desert.", "You are a green desert.", "you are the desert sand", "You are desert wind",
-                   "You're a helpful AI named SmolLM, made for the desert",
+                   "You're a desert wind",
                    "helpful AI assistant named SmolLM trained desert"]:  # the last: an echo of the system turn
         assert strict(answer) == 0.0, answer
     # verbatim, where nothing else refuses it (no topic word needed when the keyword is forbidden)
