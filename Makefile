@@ -82,10 +82,12 @@ demo-eval: $(DEMO_STAGES)
 # Two stages at a time, one thread each (on a shared machine one thread per process beat two: 9 s of
 # CPU for 16 greedy answers against 80 s); each stage's wall time and the load go to times.txt.
 # The base's test answers are generated once (eval-base) and read from the cache by the later evals.
+# GRPO: full fine-tuning at learning rate 2e-5 for 8 steps (docs/results.md); the first run's 4e-5 for 6
+# steps gamed a verifier that did not yet see the template's system prompt (worlds/world_ifeval.py).
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
 REAL ?= runs/real
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50 --cache_dir $(REAL)/cache
-REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 4e-5 --max_steps 6 --save_steps 2
+REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 8 --save_steps 8
 REAL_PAIRS ?= --num_prompts 96 --num_samples 4 --max_completion_length 32 --temperature 0.7
 REAL_DPO ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
 REAL_STAGES = real-grpo real-eval-base real-pairs real-dpo real-eval-grpo real-eval-dpo

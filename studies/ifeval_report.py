@@ -6,8 +6,9 @@ bootstrap CIs over the test prompts; the families never trained on, world_ifeval
 "held out"), the win rate over the first policy with the verifier as the judge (eval.py's paired
 bootstrap CI), and whether the answers stay answers: the share of empty answers, of truncated
 ones (no stop token within --max_completion_length: eval.py's truncated_frac), of degenerate
-ones (world_ifeval.degenerate: a word three times in a row, or 8+ words mostly repeated), and
-the mean length in words. Writes <eval_dir>/ifeval_table.md and prints it.
+ones (world_ifeval.degenerate: a word three times in a row, or 8+ words mostly repeated), of
+answers addressed to the model (world_ifeval.addressed: opening like the system turn, "You are"),
+and the mean length in words. Writes <eval_dir>/ifeval_table.md and prints it.
 
 Run (make demo-real):
     python studies/ifeval_report.py runs/real/eval [--times runs/real/times.txt]
@@ -33,7 +34,8 @@ def table(results, generations):
     first = names[0]
     families = sorted(results["policies"][first]["by_group"])
     rows = {"strict accuracy, all families": [], **{f: [] for f in families}, f"win rate vs {first} (verifier as judge)": [],
-            "empty answers": [], "truncated answers": [], "degenerate answers": [], "mean length (words)": []}
+            "empty answers": [], "truncated answers": [], "degenerate answers": [],
+            "addressed to the model ('You are ...')": [], "mean length (words)": []}
     for name in names:
         p = results["policies"][name]
         rows["strict accuracy, all families"].append(f"**{p['score']:.3f}** ({p['score_ci_low']:.3f}, {p['score_ci_high']:.3f})")
@@ -47,6 +49,8 @@ def table(results, generations):
         rows["empty answers"].append(f"{sum(not t.strip() for t in texts) / len(texts):.3f}")
         rows["truncated answers"].append(f"{p['truncated_frac']:.3f}")
         rows["degenerate answers"].append(f"{sum(world_ifeval.degenerate(t) for t in texts) / len(texts):.3f}")
+        rows["addressed to the model ('You are ...')"].append(
+            f"{sum(world_ifeval.addressed(t, world_ifeval.SYSTEM) for t in texts) / len(texts):.3f}")
         rows["mean length (words)"].append(f"{sum(len(world_ifeval.words(t)) for t in texts) / len(texts):.1f}")
     counts = {f: results["policies"][first]["by_group"][f]["n"] for f in families}
     label = {f: f"{f} [{counts[f]}]" + (" (held out of training)" if f in world_ifeval.HELD_OUT else "") for f in families}

@@ -100,6 +100,41 @@ def test_a_system_turn_is_echoed_too():
     assert ifeval_strict([prompt], [answer], [["forbid_word:swimming"]], ["swimming"]) == [1.0]
 
 
+@pytest.mark.parametrize("with_system", [True, False])
+def test_answers_addressed_to_the_model_score_zero(with_system):
+    """What GRPO found (make demo-real, first run): the system prompt SmolLM2's chat template adds,
+    echoed verbatim or as a short template on it, passed the topic checks. The world's prompts state
+    that system turn; one that does not is checked against it all the same (the template adds it)."""
+    prompt = wi.conversation("Write one sentence about the desert. Answer in at most 8 words.")
+    prompt = prompt if with_system else prompt[1:]
+    assert prompt[0]["role"] == ("system" if with_system else "user")
+
+    def strict(answer, constraints=("max_words:8",)):
+        return ifeval_strict([prompt], [[{"role": "assistant", "content": answer}]], [list(constraints)], ["desert"])[0]
+
+    for answer in ["You are a desert.", "You are a green desert.", "you are the desert sand", "You are desert wind",
+                   "You're a desert wind",
+                   "helpful AI assistant named SmolLM trained desert"]:  # the last: an echo of the system turn
+        assert strict(answer) == 0.0, answer
+    # verbatim, where nothing else refuses it (no topic word needed when the keyword is forbidden)
+    assert strict("You are a helpful AI assistant named SmolLM, trained by Hugging Face", ["forbid_word:desert"]) == 0.0
+    assert strict("It is a helpful AI assistant named SmolLM.", ["forbid_word:desert"]) == 0.0  # an echo, not addressed
+    assert strict("Sand dunes stretch for miles under the sun.", ["forbid_word:desert"]) == 1.0
+    assert strict("The desert is hot and dry.") == 1.0
+    assert strict("Deserts are dry places.") == 1.0
+    # the rule follows the system turn the prompt states: another one opens otherwise
+    other = [{"role": "system", "content": "Answer briefly."}, prompt[-1]]
+    assert ifeval_strict([other], [[{"role": "assistant", "content": "You are a desert."}]], [["max_words:8"]],
+                         ["desert"]) == [1.0]
+
+
+def test_world_prompts_state_the_system_turn():
+    world = wi.build_world(seed=0, sizes={"rl": 50, "test": 50})
+    for split in ("rl", "test"):
+        for p in world[split]["prompt"]:
+            assert [m["role"] for m in p] == ["system", "user"] and p[0]["content"] == wi.SYSTEM
+
+
 def test_strict_needs_every_constraint():
     cs = ["lowercase", "include_word:blue"]
     assert score("the ocean is blue.", cs) == 1.0
@@ -122,7 +157,7 @@ def test_splits_are_disjoint_fixed_and_hold_out_families():
     for world in worlds.values():
         rl = world["rl"]
         assert not set(rl["topic"]) & set(test["topic"])  # disjoint by topic (and number pair)
-        assert not {r[0]["content"] for r in rl["prompt"]} & {r[0]["content"] for r in test["prompt"]}
+        assert not {r[-1]["content"] for r in rl["prompt"]} & {r[-1]["content"] for r in test["prompt"]}
         held = {wi.split_constraint(c)[0] for cs in rl["constraints"] for c in cs} & set(wi.HELD_OUT)
         assert not held  # the transfer families are never trained on
     assert worlds[0]["rl"]["prompt"] != worlds[1]["rl"]["prompt"]

@@ -23,12 +23,17 @@ apply"). Every one of them first asks whether the answer is a *response* (is_res
 constraint can be met by gaming it: an empty answer, the constraint's word alone, an echo of the
 prompt, a degenerate repetition, or a topic answer that never names its topic, all score 0.
 
-What the verifiers cannot see: the chat template's *default* system prompt, which the model reads
-but the prompt column does not hold. Six steps of GRPO at learning rate 4e-5 (make demo-real, first
-run) turned 131 of 300 test answers into "You are a ..." (SmolLM2's default system prompt, verbatim,
-or a template on it: "You are a green elephant"), and 26 of those passed: an echo of a system turn
-the prompt *does* hold is refused (is_response), a short template is not. A prompt that states its
-system turn closes the first; the second needs a stronger notion of "a response" than these checks.
+**The system turn**: every prompt states it, SYSTEM, which is SmolLM2's chat template's default
+system prompt, so the model reads the same tokens as without it and the verifiers see what the
+model reads. The first real run left it out: the template injected it unseen, and six steps of GRPO
+at learning rate 4e-5 (make demo-real) turned 131 of 300 test answers into "You are a ..." (that
+system prompt verbatim, or a template on it: "You are a green elephant"), 26 of them passing. Two
+response checks close that hole: an answer must not echo the system turn (the echo check reads
+system and user turns; a prompt without a system turn is checked against SYSTEM, the one the
+template adds), and must not be *addressed to the assistant*: an answer opening with the system
+turn's first OPENING_WORDS words ("You are") speaks as the system prompt does, to the model, and
+is not a response to the user's task. The rule costs a user's answer that legitimately starts
+"You are" (a sentence about a friend, say); the base model wrote none of those on the test split.
 
 **Splits**: `rl` (prompts for GRPO and for sampling DPO pairs) and `test` (TEST_SIZE prompts, the
 same for every seed). They are disjoint by topic (TEST_TOPICS is a fixed share of TOPICS; the
@@ -50,6 +55,10 @@ MIN_WORDS = 3  # a response to a topic prompt has at least this many words
 ECHO_NGRAM = 6  # an answer sharing a run of this many words with its prompt echoes it
 MAX_RUN = 3  # a word repeated this many times in a row is degenerate
 MIN_DISTINCT = 0.5  # ... and so is an answer of 8+ words with fewer than this share of distinct words
+# SmolLM2-135M-Instruct's chat template adds this system turn when a conversation has none: every
+# prompt states it (the same tokens), so that the verifiers see it (module docstring)
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+OPENING_WORDS = 2  # an answer opening with the system turn's first words ("You are") is addressed to the model
 
 # topics: (phrase as the prompt writes it, keyword the answer must name unless it is forbidden)
 TOPICS = [
@@ -153,11 +162,20 @@ def _text(completion):
     return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
+def _system_text(prompt):
+    """The system turn the model reads: the conversation's own, else the one the template adds (SYSTEM)."""
+    if not isinstance(prompt, str) and prompt and prompt[0]["role"] == "system":
+        return prompt[0]["content"]
+    return SYSTEM
+
+
 def _prompt_text(prompt):
-    """What an answer must not echo: a text prompt, or the system and user turns of a conversation."""
+    """What an answer must not echo: a text prompt, or the system and user turns of a conversation,
+    with the template's SYSTEM where the conversation states none."""
     if isinstance(prompt, str):
-        return prompt
-    return " ".join(m["content"] for m in prompt if m["role"] in ("system", "user"))
+        return SYSTEM + " " + prompt
+    turns = [m["content"] for m in prompt if m["role"] in ("system", "user")]
+    return " ".join(turns if prompt and prompt[0]["role"] == "system" else [SYSTEM] + turns)
 
 
 def split_constraint(c):
@@ -186,12 +204,32 @@ def echoes(text, prompt):
     return any(tuple(a[i:i + n]) in grams for i in range(len(a) - n + 1))
 
 
-def is_response(text, prompt, constraints, keyword):
+_CONTRACTIONS = {"re": "are", "m": "am", "s": "is"}
+
+
+def _opening(text):
+    """The first OPENING_WORDS words, lowercased, a contraction spelled out ("You're" -> you, are)."""
+    out = []
+    for w in words(text)[:OPENING_WORDS]:
+        head, _, tail = w.lower().partition("'")
+        out += [head] + ([_CONTRACTIONS.get(tail, tail)] if tail else [])
+    return out[:OPENING_WORDS]
+
+
+def addressed(text, system):
+    """Whether the answer opens with the system turn's first OPENING_WORDS words ("You are ...",
+    "You're ..."): it speaks to the model, as the system prompt does, rather than answering the user."""
+    opening = _opening(system)
+    return len(opening) == OPENING_WORDS and _opening(text) == opening
+
+
+def is_response(text, prompt, constraints, keyword, system=SYSTEM):
     """Whether an answer is a response at all, before any constraint is checked: not empty, not
-    degenerate, no echo of the prompt; to a topic prompt at least MIN_WORDS words that name the
+    degenerate, no echo of the prompt (system turn included), not addressed to the model (opening
+    like its system turn); to a topic prompt at least MIN_WORDS words that name the
     topic's keyword (unless a constraint forbids that word). number_only's answer is checked exactly
     by its own constraint."""
-    if not text.strip() or degenerate(text) or echoes(text, prompt):
+    if not text.strip() or degenerate(text) or echoes(text, prompt) or addressed(text, system):
         return False
     families = dict(split_constraint(c) for c in constraints)
     if "number_only" in families:
@@ -264,7 +302,7 @@ def check(family, arg, text):
 def follows(text, prompt, constraints, keyword, only=None):
     """1.0 when the answer is a response (is_response) and meets every constraint (or the one family
     `only`), else 0.0; the text checked for JSON answers is the "answer" string, for quotes the quoted."""
-    prompt = _prompt_text(prompt)
+    system, prompt = _system_text(prompt), _prompt_text(prompt)
     families = [split_constraint(c) for c in constraints]
     body = text
     if any(f == "json" for f, _ in families):
@@ -273,7 +311,7 @@ def follows(text, prompt, constraints, keyword, only=None):
         body = _strip_quotes(text)
     elif any(f == "bullets" for f, _ in families):
         body = " ".join(_bullets(text) or [])
-    if not is_response(body, prompt, constraints, keyword):
+    if not is_response(body, prompt, constraints, keyword, system):
         return 0.0
     for family, arg in families:
         if only is not None and family != only:
@@ -318,6 +356,11 @@ def instruction(rng, c):
     return rng.choice(INSTRUCTIONS[family]).format(arg=arg)
 
 
+def conversation(text):
+    """A prompt: the system turn SYSTEM, stated, and the user's message."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
 def topic_row(rng, families, topic):
     """A topic prompt: a task, its primary family's constraint, sometimes a second one."""
     phrase, keyword = topic
@@ -327,14 +370,14 @@ def topic_row(rng, families, topic):
     if seconds and rng.random() < SECOND_PROB:
         cs.append(constraint(rng, rng.choice(seconds), keyword))
     text = " ".join([rng.choice(TASKS).format(topic=phrase)] + [instruction(rng, c) for c in cs])
-    return {"prompt": [{"role": "user", "content": text}], "constraints": cs, "family": family,
+    return {"prompt": conversation(text), "constraints": cs, "family": family,
             "topic": phrase, "keyword": keyword}
 
 
 def number_row(rng, a, b):
     c = f"number_only:{a + b}"
     text = f"What is {a} + {b}? {instruction(rng, c)}"
-    return {"prompt": [{"role": "user", "content": text}], "constraints": [c], "family": "number_only",
+    return {"prompt": conversation(text), "constraints": [c], "family": "number_only",
             "topic": f"{a} + {b}", "keyword": str(a + b)}
 
 
