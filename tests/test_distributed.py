@@ -61,7 +61,7 @@ def test_sft_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen, 
     assert os.path.isdir(os.path.join(fsdp, "checkpoint-4.tmp")) and not os.path.exists(os.path.join(fsdp, "checkpoint-4"))
     out = _finish(_launch(argv + two + ["--output_dir", fsdp, "--parallel", "fsdp2", "--resume"], nproc=2))
     assert "continuing from" in out and "checkpoint-2 at step 2" in out
-    assert out.count("sft: saved to") == 1  # only rank 0 prints
+    assert out.count("saved to") == 1 and out.count("sft: ") >= 1  # only rank 0 prints
     _assert_same_training(one, fsdp)
     ckpt = load_file(os.path.join(fsdp, "checkpoint-4", "model.safetensors"))  # gathered, full-size weights
     ref = load_file(os.path.join(one, "checkpoint-4", "model.safetensors"))
@@ -99,7 +99,7 @@ def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen,
     run = _launch(["grpo.py", *argv, "--batch_size", "2", "--output_dir", two], nproc=2)
     run_main(grpo, argv + ["--batch_size", "4", "--output_dir", one], monkeypatch)  # 1 rank, in this process
     printed = _finish(run)
-    assert printed.count("saved to") == 1 and printed.count("counts prompts") == 1  # only rank 0 prints, notes too
+    assert printed.count("saved to") == 1 and printed.count("note: a micro-batch here") == 1  # only rank 0 prints, notes too
     rows = _metrics(two)
     assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["clip_ratio"] == 0
     assert os.path.exists(os.path.join(two, "checkpoint-2", "trainer_state.pt"))
