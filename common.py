@@ -91,7 +91,7 @@ class TrainArgs(ModelArgs):
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
     batch_size: int = field(default=8, metadata={"help": "Examples per micro-batch (TRL: per_device_train_batch_size)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    optim: str = field(default="auto", metadata={"help": "auto: adamw_8bit on CUDA (its moments take 2 bytes a parameter, not 8), adamw on a CPU (where 8-bit saves no GPU memory and doubles the step time) and under --parallel fsdp2 | adamw_8bit (bitsandbytes) | adamw (torch)."})
+    optim: str = field(default="auto", metadata={"help": "auto: adamw_8bit on CUDA (its moments take 2 bytes a parameter, not 8) and for the embedded worlds' tiny policies, adamw for a pretrained model on a CPU (where 8-bit saves no GPU memory and doubles the step time) and under --parallel fsdp2 | adamw_8bit (bitsandbytes) | adamw (torch)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, about a third more time."})
@@ -196,7 +196,8 @@ def parse_args(cls, default_output_dir=None):
     check_choice("--optim", args.optim, ["auto", "adamw_8bit", "adamw"])
     if args.optim == "auto":
         args.optim = default_optim(args)
-        why = ("8-bit AdamW: its states take a quarter of the GPU memory" if args.optim == "adamw_8bit"
+        why = ("8-bit AdamW: its states take a quarter of the GPU memory" if args.optim == "adamw_8bit" and torch.cuda.is_available()
+               else "8-bit AdamW: the embedded world's results were measured with it" if args.optim == "adamw_8bit"
                else "torch AdamW: " + ("FSDP2 shards its states" if torch.cuda.is_available() else "no CUDA, where 8-bit only costs time"))
         if parallel.is_main():
             print(f"{script_name()}: --optim {args.optim} ({why}; pass --optim to choose)")
@@ -237,9 +238,14 @@ def parse_args(cls, default_output_dir=None):
 
 def default_optim(args):
     """--optim auto: bitsandbytes' 8-bit AdamW where it saves memory, CUDA (the seed's default there),
-    torch's AdamW on a CPU (the 8-bit kernels there only cost time: 27-35 s a step against 13 s for
-    a 135M model's SFT) and under FSDP2 (whose sharded parameters it cannot step)."""
-    return "adamw_8bit" if torch.cuda.is_available() and getattr(args, "parallel", "ddp") != "fsdp2" else "adamw"
+    and for the embedded worlds' tiny policies; torch's AdamW for a pretrained model on a CPU (the 8-bit
+    kernels there only cost time: 27-35 s a step against 13 s for a 135M model's SFT) and under FSDP2
+    (whose sharded parameters it cannot step)."""
+    if getattr(args, "parallel", "ddp") == "fsdp2":
+        return "adamw"
+    # the embedded worlds' tiny policies keep 8-bit on a CPU too: every result and time in docs/ was
+    # measured with it (their states are a few MB, so it costs them little)
+    return "adamw_8bit" if torch.cuda.is_available() or is_embedded_policy(getattr(args, "model", "")) else "adamw"
 
 
 def is_embedded_policy(model):

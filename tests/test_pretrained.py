@@ -43,7 +43,8 @@ def test_text_the_tokenizer_cannot_read_is_refused():
 
 
 def test_optim_default_follows_the_device_and_lines_print_on_rank_0_only(monkeypatch, capsys, tmp_path):
-    """--optim auto: torch AdamW on a CPU, the 8-bit one on CUDA (not under FSDP2), said in one line;
+    """--optim auto: torch AdamW on a CPU, the 8-bit one on CUDA (not under FSDP2) and for the embedded
+    worlds' policies, said in one line;
     an explicit --optim wins; under torchrun only rank 0 prints the startup lines."""
     import torch
 
@@ -56,6 +57,11 @@ def test_optim_default_follows_the_device_and_lines_print_on_rank_0_only(monkeyp
     assert parse().optim == "adamw"
     assert "grpo: --optim adamw (torch AdamW: no CUDA, where 8-bit only costs time; pass --optim to choose)" in capsys.readouterr().out
     assert parse("--optim", "adamw_8bit").optim == "adamw_8bit" and "--optim" not in capsys.readouterr().out
+    tiny = tmp_path / "tiny"  # an embedded world's policy keeps 8-bit on a CPU: its results were measured with it
+    tiny.mkdir()
+    (tiny / "config.json").write_text('{"from_scratch": true}')
+    assert parse("--model", str(tiny)).optim == "adamw_8bit"
+    assert "--optim adamw_8bit (8-bit AdamW: the embedded world's results were measured with it" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert parse().optim == "adamw_8bit" and parse("--parallel", "fsdp2").optim == "adamw"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
