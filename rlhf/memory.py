@@ -401,7 +401,8 @@ def print_plan(args, **holds):
     """--estimate_memory: print estimate_memory(args, **holds) as a table and exit. The plan is for
     the CUDA GPU the run will train on, so --dtype auto plans in bf16 and --optim auto 8-bit AdamW
     (auto's choices there) even on a machine without one, where a run would load fp32 and torch's
-    AdamW; the printout says so."""
+    AdamW; the printout says so. --dtype float32 on a machine without CUDA plans a run here: the
+    optimizer --optim auto picks here, and the process's own resident size."""
     note = ""
     if args.dtype == "auto":
         args = copy.copy(args)
@@ -409,7 +410,8 @@ def print_plan(args, **holds):
         if not torch.cuda.is_available():
             note = ("--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
                     "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.\n")
-    if not common.passed("optim") and args.parallel != "fsdp2" and args.optim != "adamw_8bit":
+    here = not torch.cuda.is_available() and args.dtype == "float32"  # --dtype float32 on a CPU: plan a run here
+    if not here and not common.passed("optim") and args.parallel != "fsdp2" and args.optim != "adamw_8bit":
         args = copy.copy(args)  # --optim auto on a machine without CUDA: plan the GPU's 8-bit AdamW too
         args.optim = "adamw_8bit"
         note += "--optim auto planned 8-bit AdamW, what it takes on a CUDA GPU; pass --optim adamw to plan torch's.\n"
