@@ -42,10 +42,16 @@ def optimizer_state_bytes(optimizer):
 
 
 def peak_memory_bytes():
-    """Peak allocated CUDA memory on a GPU; peak resident set size of the process on the CPU."""
+    """Peak allocated CUDA memory on a GPU; peak resident set size of the process on the CPU. On Linux
+    from /proc/self/status's VmHWM, this program's own peak: getrusage's ru_maxrss survives exec, so a
+    script started by a large process (a test worker, a notebook) would report its parent's size."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB, macOS bytes
 
 
 def gb(n):

@@ -213,3 +213,18 @@ def test_estimate_memory_with_optim_auto_plans_the_gpus_8bit_adamw(qwen15_config
         out[bool(optim)] = capsys.readouterr().out
     assert "--optim adamw_8bit" in out[False] and "--optim auto planned 8-bit AdamW" in out[False]
     assert "--optim adamw," in out[True] and "--optim auto planned" not in out[True]
+
+
+def test_a_script_started_by_a_large_process_reports_its_own_peak():
+    """getrusage's ru_maxrss survives exec: a script started by a 1.5 GiB process (a test worker, a
+    notebook) reported that size as its own peak, and an fp32 plan on a CPU counted it too."""
+    import subprocess
+    import sys
+
+    big = bytearray(3 * 2**29)  # 1.5 GiB, touched so it is resident
+    for i in range(0, len(big), 4096):
+        big[i] = 1
+    code = "import sys; sys.path.insert(0, '.'); from rlhf import memory; print(memory.peak_memory_bytes())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    peak = int(subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout)
+    assert peak < 2**30, peak / 2**30
