@@ -128,6 +128,25 @@ def test_answers_addressed_to_the_model_score_zero(with_system):
                          ["desert"]) == [1.0]
 
 
+def test_forbid_word_never_forbids_the_topic():
+    """The world forbids a common word, not the topic's keyword, so a non-answer cannot pass: the first
+    real GRPO run passed forbid_word prompts with "I'm not sure what you're talking about."."""
+    world = wi.build_world(seed=0)
+    rows = [r for split in ("rl", "test") for r in world[split] if r["family"] == "forbid_word"]
+    assert len(rows) > 50 and {wi.split_constraint(r["constraints"][0])[1] for r in rows} == set(wi.FORBID_WORDS)
+    for r in rows:
+        assert wi.split_constraint(r["constraints"][0])[1] not in (r["keyword"], r["keyword"] + "s")
+    r = next(r for r in rows if len(r["constraints"]) == 1)
+    arg, kw = wi.split_constraint(r["constraints"][0])[1], r["keyword"]
+    strict = lambda answer: ifeval_strict([r["prompt"]], [answer], [r["constraints"]], [kw])[0]  # noqa: E731
+    assert strict("I'm not sure what you're talking about.") == 0.0
+    assert strict(f"I like the {kw} {arg} more.") == 0.0 and strict(f"I like the {kw} {arg.upper()}.") == 0.0
+    assert strict(f"I like the {kw} more than anything.") == 1.0
+    # the forbidden word alone, not a word that starts with it: "the" forbids "The", not "they"
+    assert score("They say the sea is vast.", ["forbid_word:the"]) == 0.0
+    assert score("They say oceans are vast.", ["forbid_word:the"]) == 1.0
+
+
 def test_world_prompts_state_the_system_turn():
     world = wi.build_world(seed=0, sizes={"rl": 50, "test": 50})
     for split in ("rl", "test"):

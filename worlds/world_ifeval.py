@@ -110,6 +110,10 @@ TASKS = ["Write one sentence about {topic}.", "Write a short sentence about {top
 INCLUDE_WORDS = ["blue", "quiet", "golden", "morning", "gentle", "bright", "happy", "small", "old", "green"]
 START_WORDS = ["Yes", "Today", "Honestly", "Imagine", "Indeed", "Sometimes", "Look", "Well"]
 END_WORDS = ["today", "forever", "everywhere", "again", "indeed", "always", "now", "too"]
+# words a one-sentence description usually holds, for forbid_word: never the topic's keyword, so the
+# answer must still name its topic (the first real run forbade the keyword, and GRPO passed 5 of 300
+# test prompts with non-answers: "I'm not sure what you're talking about.")
+FORBID_WORDS = ["and", "very", "with", "beautiful", "many", "can", "of", "its"]
 MAX_WORDS = range(8, 16)  # the base answers a one-sentence task in 17 words on average
 BULLETS = (2, 3)
 
@@ -275,8 +279,8 @@ def check(family, arg, text):
         return any(c.isalpha() for c in text) and text == text.upper()
     if family == "include_word":
         return arg.lower() in (w.lower() for w in ws)
-    if family == "forbid_word":  # the word nor any form of it ("oceans")
-        return not mentions(text, arg)
+    if family == "forbid_word":  # the word nor its plural ("oceans"), any case; "the" allows "they"
+        return not any(w.lower() in (arg.lower(), arg.lower() + "s", arg.lower() + "es") for w in ws)
     if family == "max_words":
         return len(ws) <= int(arg)
     if family == "start_with":  # the first word, after any opening quote or markdown
@@ -343,9 +347,10 @@ VERIFIERS = {"ifeval_strict": ifeval_strict, **{f"ifeval_{f}": family_verifier(f
 
 
 # ---------------------------------------------------------------- prompts
-def constraint(rng, family, keyword):
-    """A constraint string of the family, its argument drawn ("max_words:7"); forbid_word forbids the keyword."""
-    arg = {"include_word": lambda: rng.choice(INCLUDE_WORDS), "forbid_word": lambda: keyword,
+def constraint(rng, family):
+    """A constraint string of the family, its argument drawn ("max_words:7"); forbid_word forbids a
+    word of FORBID_WORDS, never the keyword, so that is_response's topic check applies."""
+    arg = {"include_word": lambda: rng.choice(INCLUDE_WORDS), "forbid_word": lambda: rng.choice(FORBID_WORDS),
            "max_words": lambda: str(rng.choice(MAX_WORDS)), "start_with": lambda: rng.choice(START_WORDS),
            "end_with": lambda: rng.choice(END_WORDS), "bullets": lambda: str(rng.choice(BULLETS))}.get(family)
     return f"{family}:{arg()}" if arg else family
@@ -365,10 +370,10 @@ def topic_row(rng, families, topic):
     """A topic prompt: a task, its primary family's constraint, sometimes a second one."""
     phrase, keyword = topic
     family = rng.choice([f for f in families if f != "number_only"])
-    cs = [constraint(rng, family, keyword)]
+    cs = [constraint(rng, family)]
     seconds = [f for f in SECOND_FAMILIES if f in families and f != family and frozenset((f, family)) not in CLASH]
     if seconds and rng.random() < SECOND_PROB:
-        cs.append(constraint(rng, rng.choice(seconds), keyword))
+        cs.append(constraint(rng, rng.choice(seconds)))
     text = " ".join([rng.choice(TASKS).format(topic=phrase)] + [instruction(rng, c) for c in cs])
     return {"prompt": conversation(text), "constraints": cs, "family": family,
             "topic": phrase, "keyword": keyword}
