@@ -3,8 +3,9 @@ instruction-following world (worlds/world_ifeval.py), labelled by its strict ver
 
 For each of the first --num_prompts prompts of embedded:ifeval's `rl` split (training topics and
 families only), the policy samples --num_samples completions at --temperature; ifeval_strict
-labels each; a prompt with at least one completion that passes and one that fails gives one pair
-(chosen = the first that passes, rejected = the first that fails), in TRL's conversational
+labels each; a prompt with at least one completion that passes and one that fails gives pairs
+(each passing completion that was not truncated against each failing one, distinct texts, at most
+--pairs_per_prompt of them, in sample order), in TRL's conversational
 preference format (prompt messages, chosen and rejected as one assistant message each). Prompts
 whose samples all pass or all fail give no pair (nothing to prefer). This is "offline DPO on the
 base model's own samples": the pairs are on-policy for the model that sampled them, and dpo.py
@@ -31,18 +32,18 @@ from rlhf import sampling  # noqa: E402
 from worlds import world_ifeval  # noqa: E402
 
 
-def preference_pairs(rows, texts, scores, truncated, n):
-    """One pair per row whose n samples (texts[i*n:(i+1)*n]) hold a pass and a fail: chosen = the
-    first that passes and is not truncated, rejected = the first that fails; TRL's conversational
-    preference format, with the row's family."""
+def preference_pairs(rows, texts, scores, truncated, n, per_prompt=1):
+    """Pairs of each row whose n samples (texts[i*n:(i+1)*n]) hold a pass and a fail: every distinct
+    passing sample that is not truncated against every distinct failing one, in sample order, at most
+    per_prompt of them; TRL's conversational preference format, with the row's family."""
     pairs = []
     for i, r in enumerate(rows):
         group = list(zip(texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n], truncated[i * n:(i + 1) * n]))
-        chosen = next((t for t, s, tr in group if s == 1.0 and not tr), None)
-        rejected = next((t for t, s, _ in group if s == 0.0), None)
-        if chosen is not None and rejected is not None:
-            pairs.append({"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": chosen}],
-                          "rejected": [{"role": "assistant", "content": rejected}], "family": r["family"]})
+        chosen = list(dict.fromkeys(t for t, s, tr in group if s == 1.0 and not tr))
+        rejected = list(dict.fromkeys(t for t, s, _ in group if s == 0.0))
+        for c, rj in [(c, rj) for c in chosen for rj in rejected][:per_prompt]:
+            pairs.append({"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": c}],
+                          "rejected": [{"role": "assistant", "content": rj}], "family": r["family"]})
     return pairs
 
 
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--output", required=True, help="The JSONL file of pairs to write.")
     p.add_argument("--num_prompts", type=int, default=256, help="Prompts of the rl split to sample on (its first ones).")
     p.add_argument("--num_samples", type=int, default=4, help="Completions sampled per prompt.")
+    p.add_argument("--pairs_per_prompt", type=int, default=1, help="At most this many (pass, fail) pairs of one prompt's samples.")
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
     p.add_argument("--max_completion_length", type=int, default=48, help="Tokens generated per completion.")
     p.add_argument("--batch_size", type=int, default=32, help="Prompts per generation batch.")
@@ -82,7 +84,7 @@ def main():
     rows = [r for r in ds for _ in range(n)]
     scores = world_ifeval.ifeval_strict([r["prompt"] for r in rows], texts, [r["constraints"] for r in rows],
                                         [r["keyword"] for r in rows])
-    pairs = preference_pairs(list(ds), texts, scores, truncated, n)
+    pairs = preference_pairs(list(ds), texts, scores, truncated, n, args.pairs_per_prompt)
     if not pairs:
         common.fail(f"no prompt of {len(ds)} had a passing and a failing sample: raise --num_samples or --num_prompts.")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

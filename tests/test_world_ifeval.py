@@ -187,8 +187,9 @@ def test_splits_are_disjoint_fixed_and_hold_out_families():
 
 
 def test_dpo_pairs_from_own_samples():
-    """studies/ifeval_pairs.py: a pair per prompt with a pass and a fail, chosen the first pass
-    that was not truncated, rejected the first fail; all-pass or all-fail prompts give none."""
+    """studies/ifeval_pairs.py: pairs of a prompt with a pass and a fail, chosen a pass that was not
+    truncated, rejected a fail, distinct texts, in sample order, at most per_prompt; all-pass or
+    all-fail prompts give none."""
     import importlib.util
     import os
 
@@ -204,3 +205,12 @@ def test_dpo_pairs_from_own_samples():
     assert [(p["prompt"][0]["content"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("p0", "a2", "a0"), ("p2", "c0", "c1")]
     assert pairs[0]["chosen"][0]["role"] == "assistant" and pairs[0]["family"] == "lowercase"
+    texts = ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3"]
+    scores = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    truncated = [False] * 8
+    texts[3] = "a1"  # the same failing text twice is one rejected answer
+    pairs = module.preference_pairs(rows[:2], texts, scores, truncated, 4, per_prompt=2)
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
+        ("a0", "a1"), ("a2", "a1"), ("b0", "b1"), ("b0", "b2")]
+    pairs = module.preference_pairs(rows[:2], texts, scores, truncated, 4, per_prompt=4)
+    assert len(pairs) == 5 and (pairs[-1]["chosen"][0]["content"], pairs[-1]["rejected"][0]["content"]) == ("b0", "b3")
