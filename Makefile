@@ -85,8 +85,8 @@ demo-eval: $(DEMO_STAGES)
 # GRPO: full fine-tuning at learning rate 2e-5 for 8 steps (docs/results.md); the first run's 4e-5 for 6
 # steps gamed a verifier that did not yet see the template's system prompt (worlds/world_ifeval.py).
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
-REAL ?= runs/real
-REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50 --cache_dir $(REAL)/cache
+REAL ?= $(if $(filter 0,$(SEED)),runs/real,runs/real_seed$(SEED))
+REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50
 REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 8 --save_steps 8
 REAL_PAIRS ?= --num_prompts 96 --num_samples 4 --max_completion_length 32 --temperature 0.7
 REAL_DPO ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
@@ -103,23 +103,23 @@ endef
 demo-real: install real-model
 	@[ -f $(REAL_MODEL)/config.json ] || { echo "demo-real: $(REAL_MODEL) is missing: run make real-model first"; exit 1; }
 	@rm -rf $(REAL) && mkdir -p $(REAL) && echo "start $$(date +%s), load $$(cut -d' ' -f1-3 /proc/loadavg)" > $(REAL)/times.txt
-	@start=$$(date +%s); $(MAKE) --no-print-directory -j2 real-eval REAL=$(REAL) REAL_MODEL=$(REAL_MODEL) && \
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j2 real-eval SEED=$(SEED) REAL=$(REAL) REAL_MODEL=$(REAL_MODEL) && \
 	  echo "demo-real: $$(( $$(date +%s) - start )) s in all (load $$(cut -d' ' -f1-3 /proc/loadavg))" | tee -a $(REAL)/times.txt
 	@$(PYTHON) studies/ifeval_report.py $(REAL)/eval --times $(REAL)/times.txt
 real-grpo:
-	$(call real_stage,grpo,grpo.py --model $(REAL_MODEL) --dataset embedded:ifeval --reward_fn ifeval_strict $(REAL_GRPO) --output_dir $(REAL)/grpo --overwrite_output_dir)
+	$(call real_stage,grpo,grpo.py --seed $(SEED) --model $(REAL_MODEL) --dataset embedded:ifeval --reward_fn ifeval_strict $(REAL_GRPO) --output_dir $(REAL)/grpo --overwrite_output_dir)
 real-eval-base:
-	$(call real_stage,eval_base,eval.py base=$(REAL_MODEL) base_again=$(REAL_MODEL) $(REAL_EVAL) --output_dir $(REAL)/eval_base)
+	$(call real_stage,eval_base,eval.py base=$(REAL_MODEL) base_again=$(REAL_MODEL) $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_base)
 real-pairs: real-eval-base
-	$(call real_stage,pairs,studies/ifeval_pairs.py --model $(REAL_MODEL) $(REAL_PAIRS) --output $(REAL)/pairs.jsonl)
+	$(call real_stage,pairs,studies/ifeval_pairs.py --seed $(SEED) --model $(REAL_MODEL) $(REAL_PAIRS) --output $(REAL)/pairs.jsonl)
 real-dpo: real-pairs
-	$(call real_stage,dpo,dpo.py --model $(REAL_MODEL) --dataset $(REAL)/pairs.jsonl $(REAL_DPO) --output_dir $(REAL)/dpo --overwrite_output_dir)
+	$(call real_stage,dpo,dpo.py --seed $(SEED) --model $(REAL_MODEL) --dataset $(REAL)/pairs.jsonl $(REAL_DPO) --output_dir $(REAL)/dpo --overwrite_output_dir)
 real-eval-grpo: real-grpo real-eval-base
-	$(call real_stage,eval_grpo,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo $(REAL_EVAL) --output_dir $(REAL)/eval_grpo)
+	$(call real_stage,eval_grpo,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_grpo)
 real-eval-dpo: real-dpo real-eval-base
-	$(call real_stage,eval_dpo,eval.py base=$(REAL_MODEL) dpo=$(REAL)/dpo $(REAL_EVAL) --output_dir $(REAL)/eval_dpo)
+	$(call real_stage,eval_dpo,eval.py base=$(REAL_MODEL) dpo=$(REAL)/dpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_dpo)
 real-eval: real-eval-grpo real-eval-dpo
-	$(call real_stage,eval,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo dpo=$(REAL)/dpo $(REAL_EVAL) --output_dir $(REAL)/eval)
+	$(call real_stage,eval,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo dpo=$(REAL)/dpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval)
 
 # RLVR on the arithmetic world (worlds/world_arith.py): SFT from scratch on noisy worked solutions, then
 # GRPO with the exact-answer verifier over three training seeds (whether a run discovers the

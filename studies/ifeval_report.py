@@ -8,7 +8,9 @@ bootstrap CI), and whether the answers stay answers: the share of empty answers,
 ones (no stop token within --max_completion_length: eval.py's truncated_frac), of degenerate
 ones (world_ifeval.degenerate: a word three times in a row, or 8+ words mostly repeated), of
 answers addressed to the model (world_ifeval.addressed: opening like the system turn, "You are"),
-and the mean length in words. Writes <eval_dir>/ifeval_table.md and prints it.
+and the mean length in words. A method with several runs (training seeds: 'grpo=runs/real*/grpo')
+gets eval.py's CIs over seeds + prompts, its answers' shares pooled over its runs, and a row of
+each run's accuracy. Writes <eval_dir>/ifeval_table.md and prints it.
 
 Run (make demo-real):
     python studies/ifeval_report.py runs/real/eval [--times runs/real/times.txt]
@@ -36,6 +38,9 @@ def table(results, generations):
     rows = {"strict accuracy, all families": [], **{f: [] for f in families}, f"win rate vs {first} (verifier as judge)": [],
             "empty answers": [], "truncated answers": [], "degenerate answers": [],
             "addressed to the model ('You are ...')": [], "mean length (words)": []}
+    several = any(len(results["policies"][n]["runs"]) > 1 for n in names)
+    if several:
+        rows = {"per run (training seed)": [], **rows}
     for name in names:
         p = results["policies"][name]
         rows["strict accuracy, all families"].append(f"**{p['score']:.3f}** ({p['score_ci_low']:.3f}, {p['score_ci_high']:.3f})")
@@ -45,7 +50,9 @@ def table(results, generations):
         rows[f"win rate vs {first} (verifier as judge)"].append(next(
             (f"{r['win_rate']:.2f} ({r['ci_low']:.2f}, {r['ci_high']:.2f})" for r in results["pairwise"]
              if r["policy_a"] == name and r["policy_b"] == first), "-"))
-        texts = [g["responses"][p["runs"][0]] for g in generations]
+        if several:
+            rows["per run (training seed)"].append(", ".join(f"{results['runs'][r]['score']:.3f}" for r in p["runs"]))
+        texts = [g["responses"][r] for r in p["runs"] for g in generations]  # pooled over the method's runs
         rows["empty answers"].append(f"{sum(not t.strip() for t in texts) / len(texts):.3f}")
         rows["truncated answers"].append(f"{p['truncated_frac']:.3f}")
         rows["degenerate answers"].append(f"{sum(world_ifeval.degenerate(t) for t in texts) / len(texts):.3f}")
@@ -68,9 +75,11 @@ def main():
     if results["settings"]["group_by"] != "family" or results["settings"]["reward_fn"] != "ifeval_strict":
         sys.exit(f"error: {args.eval_dir} is not an eval.py run with --reward_fn ifeval_strict --group_by family.")
     generations = [json.loads(line) for line in open(os.path.join(args.eval_dir, "generations.jsonl"))]
+    seeds = any(len(p["runs"]) > 1 for p in results["policies"].values())
     text = (f"Held-out strict accuracy on embedded:ifeval's {results['settings']['num_prompts']} test prompts "
             f"(greedy, {results['settings']['max_completion_length']} new tokens at most; 95% CIs from "
-            f"{results['settings']['num_bootstrap']} bootstrap resamples of the prompts; per family: the prompts "
+            f"{results['settings']['num_bootstrap']} bootstrap resamples of "
+            f"{'the training seeds, then the prompts' if seeds else 'the prompts'}; per family: the prompts "
             "whose primary constraint is that family, [count]).\n\n" + table(results, generations) + "\n")
     if args.times and os.path.exists(args.times):
         text += "\nStage times (seconds, load average when it ended):\n\n" + open(args.times).read()

@@ -214,3 +214,27 @@ def test_dpo_pairs_from_own_samples():
         ("a0", "a1"), ("a2", "a1"), ("b0", "b1"), ("b0", "b2")]
     pairs = module.preference_pairs(rows[:2], texts, scores, truncated, 4, per_prompt=4)
     assert len(pairs) == 5 and (pairs[-1]["chosen"][0]["content"], pairs[-1]["rejected"][0]["content"]) == ("b0", "b3")
+
+
+def test_report_pools_a_methods_seeds():
+    """studies/ifeval_report.py: a method over several training seeds shows each seed's accuracy and
+    the answers' shares pooled over its runs (not its first run's alone)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", "ifeval_report.py")
+    spec = importlib.util.spec_from_file_location("ifeval_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    group = {"score": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n": 2}
+    policy = lambda runs: {"score": 0.5, "score_ci_low": 0.1, "score_ci_high": 0.9, "by_group": {"max_words": group},  # noqa: E731
+                           "runs": runs, "truncated_frac": 0.0}
+    results = {"policies": {"base": policy(["base"]), "grpo": policy(["grpo/seed0", "grpo/seed1"])},
+               "runs": {"base": {"score": 0.5}, "grpo/seed0": {"score": 0.25}, "grpo/seed1": {"score": 0.75}},
+               "pairwise": []}
+    generations = [{"responses": {"base": "The ocean is deep.", "grpo/seed0": "", "grpo/seed1": "The sea is wide today."}},
+                   {"responses": {"base": "The sky is blue.", "grpo/seed0": "Rain falls.", "grpo/seed1": "Snow."}}]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in module.table(results, generations).splitlines()}
+    assert rows["per run (training seed)"] == ["0.500", "0.250, 0.750 |"]
+    assert rows["empty answers"] == ["0.000", "0.250 |"]  # one empty answer of grpo's four, not 1 of 2
+    assert rows["mean length (words)"] == ["4.0", "2.0 |"]  # (0 + 5 + 2 + 1) / 4; the first run alone: 1.0
