@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install real-model demo demo-real demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-real test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: install real-model demo demo-real demo-real-seeds demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-real test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -30,6 +30,8 @@ real-model: install
 # PPO with the reward model at kl_coef 0.6 (ppo.py's 0.1 overoptimised seed 2's reward model, blind to
 # wrong actions; the gold judge's PPO keeps 0.1, where 0.6 held it near SFT: CHANGELOG.md).
 SEED ?= 0
+comma := ,
+space := $(subst ,, )
 RUNS ?= $(if $(filter 0,$(SEED)),runs,runs/seed$(SEED))
 JOBS ?= 2
 SFT_THREADS ?= 2
@@ -87,9 +89,9 @@ demo-eval: $(DEMO_STAGES)
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
 REAL ?= $(if $(filter 0,$(SEED)),runs/real,runs/real_seed$(SEED))
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50
-REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 8 --save_steps 8
-REAL_PAIRS ?= --num_prompts 96 --num_samples 4 --max_completion_length 32 --temperature 0.7
-REAL_DPO ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
+REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 32 --save_steps 32
+REAL_PAIRS ?= --num_prompts 192 --num_samples 4 --pairs_per_prompt 4 --max_completion_length 32 --temperature 0.7
+REAL_DPO ?= --learning_rate 2e-5 --rpo_alpha 1.0 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
 REAL_STAGES = real-grpo real-eval-base real-pairs real-dpo real-eval-grpo real-eval-dpo
 .PHONY: $(REAL_STAGES) real-eval
 define real_stage
@@ -120,6 +122,21 @@ real-eval-dpo: real-dpo real-eval-base
 	$(call real_stage,eval_dpo,eval.py base=$(REAL_MODEL) dpo=$(REAL)/dpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_dpo)
 real-eval: real-eval-grpo real-eval-dpo
 	$(call real_stage,eval,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo dpo=$(REAL)/dpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval)
+
+# The seeds table (docs/results.md): demo-real for training seeds 0, 1 and 2 (runs/real, runs/real_seed1,
+# runs/real_seed2: GRPO's prompts and sampling, the DPO pairs' prompts and samples; the 300 test prompts stay
+# the same); a seed whose folder holds its finished eval is kept. Then eval.py on every seed's GRPO and DPO
+# from their cached answers: accuracy with CIs over seeds + prompts, and each seed's.
+REAL_SEEDS ?= 0 1 2
+real_dir = $(if $(filter 0,$(1)),runs/real,runs/real_seed$(1))
+demo-real-seeds: install real-model
+	@for s in $(REAL_SEEDS); do d=$$([ $$s = 0 ] && echo runs/real || echo runs/real_seed$$s); \
+	  [ -f $$d/eval/results.json ] && echo "demo-real-seeds: $$d holds seed $$s's finished demo-real: kept" || \
+	  $(MAKE) --no-print-directory demo-real SEED=$$s || exit 1; done
+	@rm -rf runs/real_seeds && mkdir -p runs/real_seeds/cache && cp $(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/cache/*.json) runs/real_seeds/cache/
+	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) grpo=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/grpo)) \
+	  dpo=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/dpo)) $(REAL_EVAL) --cache_dir runs/real_seeds/cache --output_dir runs/real_seeds/eval
+	@$(PYTHON) studies/ifeval_report.py runs/real_seeds/eval
 
 # RLVR on the arithmetic world (worlds/world_arith.py): SFT from scratch on noisy worked solutions, then
 # GRPO with the exact-answer verifier over three training seeds (whether a run discovers the
