@@ -180,3 +180,199 @@ def test_saved_folders_train_one_step_in_trl(saved, files, tmp_path):
         assert math.isfinite(answer[name]["rewards/reward/mean"]) and answer[name]["class"] == "LlamaForCausalLM"
     assert answer["reward_from_reward"]["class"] == "LlamaForSequenceClassification"
     assert answer["reward_from_reward"]["pad_token"] == "<|endoftext|>"
+
+
+# ============================================================================ 2. losses equal TRL's
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A policy that is not its reference: the real model with every matrix moved by 1% of its
+    own std (seed 0), saved with the tokenizer. DPO and GRPO at step 1 of a run have policy ==
+    reference (DPO's loss is then ln 2 whatever the masks), so the comparison needs two models."""
+    trl_python()
+    folder = str(tmp_path_factory.mktemp("policy"))
+    model = common.load_model(MODEL, common.ModelArgs(model=MODEL, dtype="float32"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(0.01 * p.std() * torch.randn_like(p))
+    model.save_pretrained(folder)
+    common.load_tokenizer(MODEL).save_pretrained(folder)
+    return folder
+
+
+G, LOSS_TYPES = 4, ["grpo", "dapo", "dr_grpo", "bnpo"]
+COMPLETIONS = ["17 + 25 = 42.<|im_end|>", "42<|im_end|>", "The answer is forty-two, since 17 plus 25", "17 + 25 = 32.<|im_end|>",
+               "Red, green, blue.<|im_end|>", "Colors: red<|im_end|>", "Three colors are red, green and", "Blue.<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The real model, fp32, frozen, as the scripts load it."""
+    return common.freeze(common.load_model(MODEL, common.ModelArgs(model=MODEL, dtype="float32")))
+
+
+@pytest.fixture(scope="module")
+def grpo_batch(base, tmp_path_factory):
+    """One GRPO micro-batch as grpo.py holds it: 2 chat prompts (left-padded) x G = 4 completions
+    (right-padded, some without EOS), advantages of made-up rewards, and pi_old and pi_ref log-probs
+    near the policy's (noise 0.2 and 0.5 nats) so that ratios clip and the KL is not 0."""
+    import grpo
+
+    tokenizer = common.load_tokenizer(MODEL)
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, user(q)) for q in QUESTIONS[:2]])
+    seqs = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in COMPLETIONS]  # ends as written: EOS or cut
+    C = max(len(ids) for ids in seqs)
+    completion_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (C - len(ids)) for ids in seqs])  # (8, C), right-padded
+    completion_mask = torch.tensor([[1] * len(ids) + [0] * (C - len(ids)) for ids in seqs])
+    with torch.no_grad():
+        logprobs = sampling.completion_logprobs(base, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (8, C)
+    noise = torch.Generator().manual_seed(0)
+    mask = completion_mask.float()
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+             "completion_mask": completion_mask,
+             "advantages": grpo.group_advantages(torch.tensor([1.0, 0.5, 0.0, 0.2, 0.9, 0.1, 0.3, 0.6]), G),
+             "old_logprobs": (logprobs + 0.2 * torch.randn(logprobs.shape, generator=noise)) * mask,
+             "ref_logprobs": (logprobs + 0.5 * torch.randn(logprobs.shape, generator=noise)) * mask}
+    path = tmp_path_factory.mktemp("grpo") / "batch.pt"
+    torch.save(batch, path)
+    return batch, str(path)
+
+
+# Run in .venv-bench: TRL 1.16's trainers on the same data and weights. SFT and DPO: one training
+# step with the whole dataset as the batch (4 rows; order does not change a mean), the loss that
+# step logged, and the rows of that batch (real tokens, trained tokens). GRPO: GRPOTrainer's own
+# loss (_compute_loss, what its training step calls) on grpo_batch's tensors, for each loss_type.
+TRL_LOSSES = r'''
+import json, sys
+import torch
+import trl
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM
+
+job = json.load(open(sys.argv[1]))
+
+
+def config(cls, **kw):
+    return cls(output_dir=job["out"], max_steps=1, learning_rate=1e-6, save_strategy="no", report_to="none", use_cpu=True,
+               bf16=False, seed=0, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **kw)
+
+
+def rows(batch, trained):
+    real = batch["attention_mask"].bool()
+    return sorted([ids[m].tolist(), t[m].tolist()] for ids, t, m in zip(batch["input_ids"], trained, real))
+
+
+answer = {}
+ds = load_dataset("json", data_files=job["sft"], split="train")
+trainer = trl.SFTTrainer(model=job["model"], train_dataset=ds,
+                         args=config(trl.SFTConfig, per_device_train_batch_size=len(ds), max_length=1024))
+batch = next(iter(trainer.get_train_dataloader()))
+trainer.train()
+answer["sft"] = {"loss": trainer.state.log_history[0]["loss"], "rows": rows(batch, (batch["labels"] != -100).long())}
+
+ds = load_dataset("json", data_files=job["prefs"], split="train")
+reference = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+trainer = trl.DPOTrainer(model=job["policy"], ref_model=reference, train_dataset=ds,
+                         args=config(trl.DPOConfig, per_device_train_batch_size=len(ds), beta=0.1, max_length=1024))
+batch = next(iter(trainer.get_train_dataloader()))
+trainer.train()
+answer["dpo"] = {"loss": trainer.state.log_history[0]["loss"], "rows": rows(batch, batch["completion_mask"])}
+
+b = torch.load(job["grpo_batch"])
+G = job["G"]
+inputs = {"prompt_ids": b["prompt_ids"].repeat_interleave(G, 0), "prompt_mask": b["prompt_mask"].repeat_interleave(G, 0),
+          "completion_ids": b["completion_ids"], "completion_mask": b["completion_mask"], "advantages": b["advantages"],
+          "old_per_token_logps": b["old_logprobs"], "ref_per_token_logps": b["ref_logprobs"],
+          "num_items_in_batch": b["completion_mask"].sum()}
+trainer = trl.GRPOTrainer(model=job["model"], reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=load_dataset("json", data_files=job["sft"], split="train"),
+                          args=config(trl.GRPOConfig, per_device_train_batch_size=len(b["advantages"]), num_generations=G,
+                                      max_completion_length=b["completion_ids"].shape[1], beta=job["beta"],
+                                      use_bias_correction_kl=False))  # 1.16's default True multiplies the KL by the ratio
+trainer.model.eval()  # dropout is 0 here; eval mode: the loss of one batch, not a gradient-accumulation share
+answer["grpo"] = {}
+for loss_type in job["loss_types"]:
+    trainer.loss_type = loss_type
+    with torch.no_grad():
+        answer["grpo"][loss_type] = float(trainer._compute_loss(trainer.model, inputs))
+json.dump(answer, open(sys.argv[2], "w"))
+'''
+
+
+@pytest.fixture(scope="module")
+def trl_losses(files, policy, grpo_batch, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl_losses")
+    return trl(TRL_LOSSES, {"model": MODEL, "policy": policy, "sft": files["sft"], "prefs": files["prefs"], "out": str(tmp),
+                            "grpo_batch": grpo_batch[1], "G": G, "beta": 0.04, "loss_types": LOSS_TYPES}, tmp)
+
+
+def ours_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, trained):
+    """Each row's real tokens (prompt, then completion) and which are trained: TRL's layout."""
+    out = []
+    for p, pm, c, cm, t in zip(prompt_ids, prompt_mask, completion_ids, completion_mask, trained):
+        out.append([p[pm.bool()].tolist() + c[cm.bool()].tolist(), [0] * int(pm.sum()) + t[cm.bool()].tolist()])
+    return sorted(out)
+
+
+def test_an_sft_step_has_trls_loss(files, trl_losses, tmp_path, monkeypatch):
+    """sft.py's first logged loss (the 4 examples in one batch, before the update) equals
+    SFTTrainer's on prompt/completion chat rows, and so do the batch's tokens and trained tokens
+    (the completion and its <|im_end|>\\n, as TRL's completion_only_loss)."""
+    import sft
+
+    run_main(sft, ["--model", MODEL, "--dataset", files["sft"], "--batch_size", "4", "--max_steps", "1", "--dtype", "float32",
+                   "--output_dir", str(tmp_path / "sft")], monkeypatch)
+    with open(tmp_path / "sft" / "metrics.jsonl") as f:
+        ours = json.loads(f.readline())["loss"]
+    tokenizer = common.load_tokenizer(MODEL)
+    pairs = [(user(q), assistant(a)) for q, a in zip(QUESTIONS, ANSWERS)]
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [data.render_prompt(tokenizer, p) for p, _ in pairs])
+    completion_ids, completion_mask, loss_mask = data.encode_turns(tokenizer, [data.render_turns(tokenizer, p, c) for p, c in pairs],
+                                                                   None, [tokenizer.eos_token_id])
+    assert ours_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask) == trl_losses["sft"]["rows"]
+    assert abs(ours - trl_losses["sft"]["loss"]) < 1e-5, (ours, trl_losses["sft"]["loss"])
+
+
+def test_a_dpo_step_has_trls_loss(files, policy, base, trl_losses):
+    """dpo.py's loss (its rendering, encode_pairs, pair_logps, dpo_loss: sigmoid, beta 0.1) of the
+    moved policy against the real model as reference, on the 4 pairs, equals DPOTrainer's with
+    that reference model, and so do the 8 sequences' tokens and completion masks."""
+    import datasets
+
+    import dpo
+
+    tokenizer = common.load_tokenizer(policy)
+    model = common.freeze(common.load_model(policy, common.ModelArgs(model=policy, dtype="float32")))
+    triples = data.preference_triples(datasets.load_dataset("json", data_files=files["prefs"], split="train"), files["prefs"])
+    prompts, chosen, rejected = dpo.render_triples(tokenizer, triples)
+    batch = dpo.encode_pairs(tokenizer, prompts, chosen, rejected, SimpleNamespace(max_prompt_length=None, max_completion_length=None),
+                             sampling.stop_token_ids(model, tokenizer))
+    with torch.no_grad():
+        losses, _, _ = dpo.dpo_loss(*dpo.pair_logps(model, batch, "sigmoid"), *dpo.pair_logps(base, batch, "sigmoid"), 0.1)
+    prompt_ids, prompt_mask = (batch[k].repeat(2, 1) for k in ("prompt_ids", "prompt_mask"))  # chosen rows, then rejected
+    rows = ours_rows(prompt_ids, prompt_mask, batch["completion_ids"], batch["completion_mask"], batch["completion_mask"])
+    assert rows == trl_losses["dpo"]["rows"]
+    assert abs(float(losses.mean()) - math.log(2)) > 1e-3  # the policy is not its reference: the loss is not ln 2
+    assert abs(float(losses.mean()) - trl_losses["dpo"]["loss"]) < 1e-5, (float(losses.mean()), trl_losses["dpo"]["loss"])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_grpo_step_has_trls_loss(loss_type, base, grpo_batch, trl_losses):
+    """grpo.py's loss (completion_logprobs of the shared prompts, then grpo_loss with TRL's
+    settings: epsilon 0.2 both sides, no dual clip, beta 0.04) equals GRPOTrainer._compute_loss on
+    the same ids, masks, advantages, pi_old and pi_ref log-probs, for each normalisation. TRL 1.16
+    runs with use_bias_correction_kl=False: its default (True, DeepSeek-V3.2) multiplies the KL
+    term by the ratio, which grpo.py does not (3e-4 apart on this batch, docs/trl.md)."""
+    import grpo
+
+    batch, _ = grpo_batch
+    with torch.no_grad():
+        logprobs = sampling.completion_logprobs(base, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                                batch["completion_mask"])
+    args = SimpleNamespace(loss_type=loss_type, epsilon=0.2, epsilon_high=0.0, dual_clip_c=0.0, beta=0.04,
+                           max_completion_length=batch["completion_ids"].shape[1], importance_sampling_level="token")
+    loss, metrics = grpo.grpo_loss(logprobs, batch["old_logprobs"], batch["ref_logprobs"], batch["advantages"],
+                                   batch["completion_mask"], args)
+    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0.01  # the clip and the KL are in the loss
+    assert abs(float(loss) - trl_losses["grpo"][loss_type]) < 1e-5, (loss_type, float(loss), trl_losses["grpo"][loss_type])
