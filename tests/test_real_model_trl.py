@@ -209,6 +209,7 @@ COMPLETIONS = ["17 + 25 = 42.<|im_end|>", "42<|im_end|>", "The answer is forty-t
 @pytest.fixture(scope="module")
 def base():
     """The real model, fp32, frozen, as the scripts load it."""
+    trl_python()  # skip before loading anything
     return common.freeze(common.load_model(MODEL, common.ModelArgs(model=MODEL, dtype="float32")))
 
 
