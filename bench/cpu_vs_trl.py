@@ -21,13 +21,15 @@ both see the same load.
 
 With --model, that model (and its tokenizer) replaces the tiny one, on the same rows, at smaller
 batches (REAL_BATCHES: a real model's step is seconds to minutes on a CPU): GRPO 1 prompt x 8
-generations (TRL's per_device_train_batch_size 8), DPO 2 pairs, SFT 2 examples.
+generations (TRL's per_device_train_batch_size 8), DPO 2 pairs, SFT 2 examples; and on the first
+REAL_ROWS rows of each dataset (more steps than rows/batch cycle through them on both sides).
 
 Run (TRL lives in its own venv so it never changes the project's environment):
     python -m venv --system-site-packages .venv-bench
     .venv-bench/bin/pip install -r bench/requirements.txt
     OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --trl_python .venv-bench/bin/python
-    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos grpo,dpo --short 2 --long 6
+    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos grpo --short 2 --long 6
+    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos dpo --short 2 --long 10
 """
 
 import argparse
@@ -48,6 +50,9 @@ SETTINGS = {
     "grpo": dict(batch_size=2, num_generations=8, max_completion_length=32, beta=0.04, temperature=1.0, max_prompt_length=512),
 }
 REAL_BATCHES = {"sft": 2, "dpo": 2, "grpo": 1}  # --model: micro-batches a real model's CPU step can afford
+# --model: rows of each dataset. Our DPO's start-up scores every pair with the reference once; over 256
+# pairs that was ~100 s of CPU on SmolLM2-135M, whose noise swamped 4 steps of 2-5 s in the difference
+REAL_ROWS = 32
 # gradient_accumulation_steps 1 as TRL's side: grpo.py's default for a pretrained model (anything but the
 # embedded policy, this tiny Llama too) is 8 micro-batches a step
 COMMON = dict(learning_rate=1e-5, optim="adamw", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
@@ -57,8 +62,9 @@ DATA = {"sft": ("sft", ["prompt", "completion"], 512), "dpo": ("prefs", ["prompt
         "grpo": ("rl", ["prompt", "post"], 256)}
 
 
-def build(workdir):
-    """The tiny Llama (hidden 256, 4 layers) and the three datasets, written once to workdir."""
+def build(workdir, rows=0):
+    """The tiny Llama (hidden 256, 4 layers) and the three datasets (their first `rows` rows if
+    given), written once to workdir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,7 +85,7 @@ def build(workdir):
     for algo, (split, columns, n) in DATA.items():
         path = os.path.join(workdir, f"{algo}.jsonl")
         with open(path, "w") as f:
-            for row in embedded[split].select(range(n)):
+            for row in embedded[split].select(range(min(n, rows or n))):
                 f.write(json.dumps({c: row[c] for c in columns}) + "\n")
     return model_dir
 
@@ -174,7 +180,7 @@ def main():
     cli.output = cli.output or os.path.join(
         ROOT, "bench", f"results_cpu_{os.path.basename(os.path.normpath(cli.model))}.json" if real else "results_cpu.json")
     os.makedirs(cli.workdir, exist_ok=True)
-    model_dir = build(cli.workdir)  # the tiny model (kept when there) and the data
+    model_dir = build(cli.workdir, REAL_ROWS if real else 0)  # the tiny model (kept when there) and the data
     if real:
         model_dir = os.path.abspath(cli.model)
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
