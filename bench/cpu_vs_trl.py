@@ -1,5 +1,6 @@
 """bench/cpu_vs_trl.py: steady-state seconds per step of our sft.py, dpo.py and grpo.py against
-TRL's SFTTrainer, DPOTrainer and GRPOTrainer, at identical settings, on the same tiny model.
+TRL's SFTTrainer, DPOTrainer and GRPOTrainer, at identical settings, on the same model: a tiny one
+by default, or a real one with --model (e.g. models/SmolLM2-135M-Instruct from `make real-model`).
 
 A benchmark, not a test. Both sides run as subprocesses with the same environment (one thread
 each by default), on a Llama with hidden size 256 and 4 layers built locally with the embedded
@@ -15,12 +16,20 @@ the difference of the two times over the difference of steps cancels start-up (i
 loading, tokenising, precomputing) and the final save. Two clocks: wall-clock, and CPU time
 (user + system of the process and its threads), which is the steadier one on a shared machine
 because it does not count waiting for a core. With OMP_NUM_THREADS=1 the two agree on an idle
-machine.
+machine. The two sides of each configuration run interleaved (ours, TRL's, ours, TRL's), so
+both see the same load.
+
+With --model, that model (and its tokenizer) replaces the tiny one, on the same rows, at smaller
+batches (REAL_BATCHES: a real model's step is seconds to minutes on a CPU): GRPO 1 prompt x 8
+generations (TRL's per_device_train_batch_size 8), DPO 2 pairs, SFT 2 examples; and on the first
+REAL_ROWS rows of each dataset (more steps than rows/batch cycle through them on both sides).
 
 Run (TRL lives in its own venv so it never changes the project's environment):
     python -m venv --system-site-packages .venv-bench
     .venv-bench/bin/pip install -r bench/requirements.txt
     OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --trl_python .venv-bench/bin/python
+    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos grpo --short 2 --long 6
+    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos dpo --short 2 --long 10
 """
 
 import argparse
@@ -40,14 +49,22 @@ SETTINGS = {
     "dpo": dict(batch_size=8, beta=0.1, max_prompt_length=512, max_completion_length=256),
     "grpo": dict(batch_size=2, num_generations=8, max_completion_length=32, beta=0.04, temperature=1.0, max_prompt_length=512),
 }
+REAL_BATCHES = {"sft": 2, "dpo": 2, "grpo": 1}  # --model: micro-batches a real model's CPU step can afford
+# --model: rows of each dataset. Our DPO's start-up scores every pair with the reference once; over 256
+# pairs that was ~100 s of CPU on SmolLM2-135M, whose noise swamped 4 steps of 2-5 s in the difference
+REAL_ROWS = 32
+# gradient_accumulation_steps 1 as TRL's side: grpo.py's default for a pretrained model (anything but the
+# embedded policy, this tiny Llama too) is 8 micro-batches a step
 COMMON = dict(learning_rate=1e-5, optim="adamw", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-              weight_decay=0.0, dtype="float32", attn_implementation="sdpa", logging_steps=1, seed=0)
+              weight_decay=0.0, dtype="float32", attn_implementation="sdpa", logging_steps=1, seed=0,
+              gradient_accumulation_steps=1)
 DATA = {"sft": ("sft", ["prompt", "completion"], 512), "dpo": ("prefs", ["prompt", "chosen", "rejected"], 256),
         "grpo": ("rl", ["prompt", "post"], 256)}
 
 
-def build(workdir):
-    """The tiny Llama (hidden 256, 4 layers) and the three datasets, written once to workdir."""
+def build(workdir, rows=0):
+    """The tiny Llama (hidden 256, 4 layers) and the three datasets (their first `rows` rows if
+    given), written once to workdir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,21 +85,26 @@ def build(workdir):
     for algo, (split, columns, n) in DATA.items():
         path = os.path.join(workdir, f"{algo}.jsonl")
         with open(path, "w") as f:
-            for row in embedded[split].select(range(n)):
+            for row in embedded[split].select(range(min(n, rows or n))):
                 f.write(json.dumps({c: row[c] for c in columns}) + "\n")
     return model_dir
 
 
-def ours_command(algo, model, data, steps, out):
-    flags = {**COMMON, **SETTINGS[algo], "model": model, "dataset": data, "max_steps": steps, "output_dir": out}
+def settings(algo, real):
+    """The shared settings of `algo`, as our flags; `real`: at REAL_BATCHES' batch size."""
+    return {**COMMON, **SETTINGS[algo], **({"batch_size": REAL_BATCHES[algo]} if real else {})}
+
+
+def ours_command(algo, model, data, steps, out, real):
+    flags = {**settings(algo, real), "model": model, "dataset": data, "max_steps": steps, "output_dir": out}
     if algo == "grpo":
         flags["reward_fn"] = "gold"
     return [sys.executable, os.path.join(ROOT, f"{algo}.py")] + [f"--{k}={v}" for k, v in flags.items()]
 
 
-def run_trl(algo, model_dir, data, steps, out):
+def run_trl(algo, model_dir, data, steps, out, real):
     """Inside the venv that has TRL: train `steps` steps with TRL's trainer at our settings."""
-    trl_trainer(algo, model_dir, data, out, {**COMMON, **SETTINGS[algo], "max_steps": steps}).train()
+    trl_trainer(algo, model_dir, data, out, {**settings(algo, real), "max_steps": steps}).train()
 
 
 def trl_trainer(algo, model_dir, data, out, s):
@@ -143,18 +165,24 @@ def main():
     parser.add_argument("--algos", default="grpo,dpo,sft", help="Comma-separated: sft, dpo, grpo.")
     parser.add_argument("--short", type=int, default=2, help="Steps of the short run.")
     parser.add_argument("--long", type=int, default=0, help="Steps of the long run (default: 12 for GRPO, 32 for DPO and SFT, whose steps are shorter).")
+    parser.add_argument("--model", default="", help="A model folder to time instead of the tiny Llama (e.g. models/SmolLM2-135M-Instruct); batches from REAL_BATCHES.")
     parser.add_argument("--workdir", default="/tmp/bench_cpu", help="Model, data, logs and run folders.")
-    parser.add_argument("--output", default=os.path.join(ROOT, "bench", "results_cpu.json"), help="Results JSON.")
+    parser.add_argument("--output", default="", help="Results JSON (default: bench/results_cpu.json, with --model bench/results_cpu_<its folder name>.json).")
     parser.add_argument("--only", default="ours,trl", help="Sides to run: ours,trl (default), ours, or trl.")
-    parser.add_argument("--trl_worker", nargs=4, metavar=("ALGO", "MODEL", "DATA", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--trl_worker", nargs=5, metavar=("ALGO", "MODEL", "DATA", "STEPS", "REAL"), help=argparse.SUPPRESS)
     parser.add_argument("--trl_out", default="", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.trl_worker:  # the TRL side of one run, inside the TRL venv
-        algo, model_dir, data, steps = cli.trl_worker
-        return run_trl(algo, model_dir, data, int(steps), cli.trl_out)
+        algo, model_dir, data, steps, real = cli.trl_worker
+        return run_trl(algo, model_dir, data, int(steps), cli.trl_out, real == "1")
 
+    real = bool(cli.model)
+    cli.output = cli.output or os.path.join(
+        ROOT, "bench", f"results_cpu_{os.path.basename(os.path.normpath(cli.model))}.json" if real else "results_cpu.json")
     os.makedirs(cli.workdir, exist_ok=True)
-    model_dir = build(cli.workdir)
+    model_dir = build(cli.workdir, REAL_ROWS if real else 0)  # the tiny model (kept when there) and the data
+    if real:
+        model_dir = os.path.abspath(cli.model)
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": ROOT}
     results = {}
@@ -164,29 +192,33 @@ def main():
     for algo in cli.algos.split(","):
         data = os.path.join(cli.workdir, f"{algo}.jsonl")
         long = cli.long or {"grpo": 12, "dpo": 32, "sft": 32}[algo]
-        for side in cli.only.split(","):
-            wall, cpu = {}, {}
-            for steps in (cli.short, long):
+        sides = cli.only.split(",")
+        wall, cpu = {side: {} for side in sides}, {side: {} for side in sides}
+        for steps in (cli.short, long):  # interleaved: ours, TRL's, ours, TRL's, so both see the same load
+            for side in sides:
                 out = os.path.join(cli.workdir, f"{side}_{algo}_{steps}")
                 if side == "ours":
-                    cmd = ours_command(algo, model_dir, data, steps, out)
+                    cmd = ours_command(algo, model_dir, data, steps, out, real)
                 else:
                     cmd = [cli.trl_python, os.path.abspath(__file__), "--trl_worker", algo, model_dir, data,
-                           str(steps), "--trl_out", out]
-                wall[steps], cpu[steps] = timed(cmd, env, out + ".log")
-                print(f"{side:4} {algo:4} {steps:3} steps: {wall[steps]:7.1f} s wall, {cpu[steps]:7.1f} s CPU", flush=True)
-            n = long - cli.short
+                           str(steps), "1" if real else "0", "--trl_out", out]
+                wall[side][steps], cpu[side][steps] = timed(cmd, env, out + ".log")
+                print(f"{side:4} {algo:4} {steps:3} steps: {wall[side][steps]:7.1f} s wall, {cpu[side][steps]:7.1f} s CPU, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+        n = long - cli.short
+        for side in sides:
             results.setdefault(algo, {})[side] = {
-                "cpu_seconds_per_step": (cpu[long] - cpu[cli.short]) / n,
-                "wall_seconds_per_step": (wall[long] - wall[cli.short]) / n,
-                "wall_seconds": wall, "cpu_seconds": cpu}
+                "cpu_seconds_per_step": (cpu[side][long] - cpu[side][cli.short]) / n,
+                "wall_seconds_per_step": (wall[side][long] - wall[side][cli.short]) / n,
+                "wall_seconds": wall[side], "cpu_seconds": cpu[side]}
         if {"ours", "trl"} <= results.get(algo, {}).keys():
             for kind in ("cpu", "wall"):
                 key = f"{kind}_seconds_per_step"
                 results[algo][f"{kind}_ratio"] = results[algo]["ours"][key] / results[algo]["trl"][key]
         print(f"{algo}: {json.dumps(results[algo])}", flush=True)
-    results["settings"] = {"common": COMMON, **SETTINGS, "short": cli.short, "long": cli.long or "12 GRPO, 32 DPO/SFT",
-                           "threads": env["OMP_NUM_THREADS"], "nproc": os.cpu_count()}
+    results["settings"] = {"common": COMMON, **{a: settings(a, real) for a in SETTINGS}, "model": cli.model or "tiny Llama",
+                           "short": cli.short, "long": cli.long or "12 GRPO, 32 DPO/SFT",
+                           "threads": env["OMP_NUM_THREADS"], "nproc": os.cpu_count(), "load_after": os.getloadavg()}
     with open(cli.output, "w") as f:
         json.dump(results, f, indent=2)
     print(f"{'algo':5} {'ours CPU s/step':>15} {'TRL CPU s/step':>14} {'ratio':>6} {'ours wall':>10} {'TRL wall':>9} {'ratio':>6}")

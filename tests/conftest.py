@@ -143,6 +143,15 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
+def trl_python():
+    """The Python of .venv-bench, where TRL lives (bench/requirements.txt); skip the test without it."""
+    path = os.path.join(ROOT, ".venv-bench", "bin", "python")
+    if not os.path.exists(path):
+        pytest.skip("TRL's virtualenv .venv-bench is absent (make it as bench/trl_quality.py says: "
+                    "python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt)")
+    return path
+
+
 def run_main(module, argv, monkeypatch):
     """Run a script's main() in this process with this command line (cheaper than a subprocess)."""
     monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, chat_tokenizer, uniform_words_model
+from conftest import chat_tokenizer, trl_python, uniform_words_model
 
 import common
 from rlhf import data
@@ -357,14 +357,6 @@ def reward_func(completions, ground_truth, **kwargs):
 def longer_than_prompt(completions, prompts, **kw):
     return [float(len(c) > len(p)) for c, p in zip(completions, prompts)]
 '''
-
-
-def trl_python():
-    path = os.path.join(ROOT, ".venv-bench", "bin", "python")
-    if not os.path.exists(path):
-        pytest.skip("TRL's virtualenv .venv-bench is absent (make it as bench/trl_quality.py says: "
-                    "python -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -r bench/requirements.txt)")
-    return path
 
 
 def test_rewards_equal_trls_calculate_rewards(trl_runs, tmp_path):
