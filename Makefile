@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install real-model demo demo-real demo-real-seeds demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-real test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: install real-model demo demo-real demo-real-seeds demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -183,7 +183,14 @@ demo-code: install
 
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests --ignore=tests/test_real_model_trl.py
+
+# The real model against TRL 1.16 itself (tests/test_real_model_trl.py): every script's saved folder loads in
+# transformers, peft and TRL's trainers, and one SFT, DPO and GRPO step has TRL's loss. Needs make real-model
+# and .venv-bench (docs/benchmarks.md); about 5 minutes, so not part of `make test`.
+test-trl: real-model
+	@[ -x .venv-bench/bin/python ] || { $(PYTHON) -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -q -r bench/requirements.txt; }
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 -p no:cacheprovider tests/test_real_model_trl.py
 
 # The suite proves itself: one-line mistakes in equations, masks, references, stop rules, the
 # bootstrap, guards and checkpoints (tests/mutants.py), each applied to a temporary copy with the
