@@ -84,8 +84,10 @@ demo-eval: $(DEMO_STAGES)
 # Two stages at a time, one thread each (on a shared machine one thread per process beat two: 9 s of
 # CPU for 16 greedy answers against 80 s); each stage's wall time and the load go to times.txt.
 # The base's test answers are generated once (eval-base) and read from the cache by the later evals.
-# GRPO: full fine-tuning at learning rate 2e-5 for 8 steps (docs/results.md); the first run's 4e-5 for 6
-# steps gamed a verifier that did not yet see the template's system prompt (worlds/world_ifeval.py).
+# GRPO: full fine-tuning at learning rate 2e-5 for 32 steps (8 gave +0.10, 24 +0.243: docs/results.md); the
+# first run's 4e-5 for 6 steps gamed a verifier that did not yet see the template's system prompt
+# (worlds/world_ifeval.py). DPO: up to 4 pairs a prompt and RPO's NLL term on the chosen answers (one pair a
+# prompt without it gave +0.01). SEED=1 writes runs/real_seed1/ (the test prompts stay the same).
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
 REAL ?= $(if $(filter 0,$(SEED)),runs/real,runs/real_seed$(SEED))
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50
