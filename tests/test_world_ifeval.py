@@ -229,12 +229,14 @@ def test_report_pools_a_methods_seeds():
     group = {"score": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n": 2}
     policy = lambda runs: {"score": 0.5, "score_ci_low": 0.1, "score_ci_high": 0.9, "by_group": {"max_words": group},  # noqa: E731
                            "runs": runs, "truncated_frac": 0.0}
-    results = {"policies": {"base": policy(["base"]), "grpo": policy(["grpo/seed0", "grpo/seed1"])},
+    results = {"policies": {"base": policy(["base"]), "grpo": {**policy(["grpo/seed0", "grpo/seed1"]),
+                                                               "score_seed_ci_low": 0.05, "score_seed_ci_high": 0.95}},
                "runs": {"base": {"score": 0.5}, "grpo/seed0": {"score": 0.25}, "grpo/seed1": {"score": 0.75}},
                "pairwise": []}
     generations = [{"responses": {"base": "The ocean is deep.", "grpo/seed0": "", "grpo/seed1": "The sea is wide today."}},
                    {"responses": {"base": "The sky is blue.", "grpo/seed0": "Rain falls.", "grpo/seed1": "Snow."}}]
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in module.table(results, generations).splitlines()}
     assert rows["per run (training seed)"] == ["0.500", "0.250, 0.750 |"]
+    assert rows["strict accuracy, all families"] == ["**0.500** (0.100, 0.900)", "**0.500** (0.050, 0.950) |"]  # seeds + prompts
     assert rows["empty answers"] == ["0.000", "0.250 |"]  # one empty answer of grpo's four, not 1 of 2
     assert rows["mean length (words)"] == ["4.0", "2.0 |"]  # (0 + 5 + 2 + 1) / 4; the first run alone: 1.0
