@@ -29,6 +29,11 @@ def ci(row, key="score"):
     return f"{row[key]:.3f} ({row['ci_low']:.2f}, {row['ci_high']:.2f})" if key == "score" else ""
 
 
+def over_seeds(results):
+    """Whether some method has several runs (training seeds)."""
+    return any(len(p["runs"]) > 1 for p in results["policies"].values())
+
+
 def table(results, generations):
     """Rows: overall strict accuracy, each family's, the win rate over the first policy, the answers'
     shape; one column per policy."""
@@ -38,7 +43,7 @@ def table(results, generations):
     rows = {"strict accuracy, all families": [], **{f: [] for f in families}, f"win rate vs {first} (verifier as judge)": [],
             "empty answers": [], "truncated answers": [], "degenerate answers": [],
             "addressed to the model ('You are ...')": [], "mean length (words)": []}
-    several = any(len(results["policies"][n]["runs"]) > 1 for n in names)
+    several = over_seeds(results)
     if several:
         rows = {"per run (training seed)": [], **rows}
     for name in names:
@@ -76,11 +81,10 @@ def main():
     if results["settings"]["group_by"] != "family" or results["settings"]["reward_fn"] != "ifeval_strict":
         sys.exit(f"error: {args.eval_dir} is not an eval.py run with --reward_fn ifeval_strict --group_by family.")
     generations = [json.loads(line) for line in open(os.path.join(args.eval_dir, "generations.jsonl"))]
-    seeds = any(len(p["runs"]) > 1 for p in results["policies"].values())
     text = (f"Held-out strict accuracy on embedded:ifeval's {results['settings']['num_prompts']} test prompts "
             f"(greedy, {results['settings']['max_completion_length']} new tokens at most; 95% CIs from "
             f"{results['settings']['num_bootstrap']} bootstrap resamples of "
-            f"{'the training seeds, then the prompts (overall; per family: the prompts)' if seeds else 'the prompts'}; per family: the prompts "
+            f"{'the training seeds, then the prompts (overall; per family the prompts alone)' if over_seeds(results) else 'the prompts'}; per family: the prompts "
             "whose primary constraint is that family, [count]).\n\n" + table(results, generations) + "\n")
     if args.times and os.path.exists(args.times):
         text += "\nStage times (seconds, load average when it ended):\n\n" + open(args.times).read()

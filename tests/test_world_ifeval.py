@@ -12,6 +12,18 @@ def conv(text):
     return [{"role": "user", "content": text}]
 
 
+def study(name):
+    """studies/<name>.py as a module (studies/ is not a package)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def score(answer, constraints, keyword="ocean", prompt="Describe the ocean.", family=None):
     """ifeval_strict (or ifeval_<family>) on one answer, as TRL passes it: an assistant message."""
     fn = wi.VERIFIERS[f"ifeval_{family}"] if family else ifeval_strict
@@ -190,13 +202,7 @@ def test_dpo_pairs_from_own_samples():
     """studies/ifeval_pairs.py: pairs of a prompt with a pass and a fail, chosen a pass that was not
     truncated, rejected a fail, distinct texts, in sample order, at most per_prompt; all-pass or
     all-fail prompts give none."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", "ifeval_pairs.py")
-    spec = importlib.util.spec_from_file_location("ifeval_pairs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = study("ifeval_pairs")
     rows = [{"prompt": conv(f"p{i}"), "family": "lowercase"} for i in range(3)]
     texts = ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"]
     scores = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
@@ -219,13 +225,7 @@ def test_dpo_pairs_from_own_samples():
 def test_report_pools_a_methods_seeds():
     """studies/ifeval_report.py: a method over several training seeds shows each seed's accuracy and
     the answers' shares pooled over its runs (not its first run's alone)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies", "ifeval_report.py")
-    spec = importlib.util.spec_from_file_location("ifeval_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = study("ifeval_report")
     group = {"score": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n": 2}
     policy = lambda runs: {"score": 0.5, "score_ci_low": 0.1, "score_ci_high": 0.9, "by_group": {"max_words": group},  # noqa: E731
                            "runs": runs, "truncated_frac": 0.0}
