@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install real-model demo demo-real demo-real-seeds demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: install real-model demo demo-real real-more demo-real-seeds real-seeds-eval demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -125,19 +125,50 @@ real-eval-dpo: real-dpo real-eval-base
 real-eval: real-eval-grpo real-eval-dpo
 	$(call real_stage,eval,eval.py base=$(REAL_MODEL) grpo=$(REAL)/grpo dpo=$(REAL)/dpo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval)
 
-# The seeds table (docs/results.md): demo-real for training seeds 0, 1 and 2 (runs/real, runs/real_seed1,
-# runs/real_seed2: GRPO's prompts and sampling, the DPO pairs' prompts and samples; the 300 test prompts stay
-# the same); a seed whose folder holds its finished eval is kept. Then eval.py on every seed's GRPO and DPO
-# from their cached answers: accuracy with CIs over seeds + prompts, and each seed's.
+# The rest of issue #49's seeds table, past demo-real's 20 minutes (make real-more SEED=S, after demo-real
+# SEED=S; it reads that run's pairs and cached base answers): online DPO with the verifier as its judge
+# (two samples a prompt each step, the pair kept when the verifier tells them apart), and reward.py's
+# Bradley-Terry model trained on demo-real's verifier-labelled pairs, then PPO against that reward
+# model (the critic starts from it), with the verifier only in the evaluation. Each gets eval.py
+# against the base, as GRPO and DPO do.
+REAL_ONLINE ?= --reward_fn ifeval_strict --batch_size 16 --gradient_accumulation_steps 1 --max_new_tokens 32 --temperature 0.7 --learning_rate 2e-5 --rpo_alpha 1.0 --max_steps 48 --save_steps 48
+REAL_REWARD ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
+REAL_PPO ?= --batch_size 8 --gradient_accumulation_steps 1 --num_mini_batches 2 --max_completion_length 32 --temperature 0.7 --num_ppo_epochs 1 --learning_rate 1e-5 --max_steps 24 --save_steps 24
+REAL_MORE_STAGES = real-online real-reward real-ppo real-eval-online real-eval-ppo
+.PHONY: real-more $(REAL_MORE_STAGES)
+real-more: install real-model
+	@[ -f $(REAL)/pairs.jsonl ] && [ -f $(REAL)/eval/results.json ] || { echo "real-more: $(REAL) holds no finished demo-real: run make demo-real SEED=$(SEED) first"; exit 1; }
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j2 real-eval-online real-eval-ppo SEED=$(SEED) REAL=$(REAL) REAL_MODEL=$(REAL_MODEL) && \
+	  echo "real-more: $$(( $$(date +%s) - start )) s in all (load $$(cut -d' ' -f1-3 /proc/loadavg))" | tee -a $(REAL)/times.txt
+real-online:
+	$(call real_stage,online,dpo.py --online --seed $(SEED) --model $(REAL_MODEL) --dataset embedded:ifeval $(REAL_ONLINE) --output_dir $(REAL)/dpo_online --overwrite_output_dir)
+real-reward:
+	$(call real_stage,reward,reward.py --seed $(SEED) --model $(REAL_MODEL) --dataset $(REAL)/pairs.jsonl $(REAL_REWARD) --output_dir $(REAL)/reward --overwrite_output_dir)
+real-ppo: real-reward
+	$(call real_stage,ppo,ppo.py --seed $(SEED) --model $(REAL_MODEL) --reward_model $(REAL)/reward --dataset embedded:ifeval $(REAL_PPO) --output_dir $(REAL)/ppo --overwrite_output_dir)
+real-eval-online: real-online
+	$(call real_stage,eval_online,eval.py base=$(REAL_MODEL) dpo_online=$(REAL)/dpo_online $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_online)
+real-eval-ppo: real-ppo
+	$(call real_stage,eval_ppo,eval.py base=$(REAL_MODEL) ppo=$(REAL)/ppo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_ppo)
+
+# The seeds table (docs/results.md): demo-real and real-more for training seeds 0, 1 and 2 (runs/real,
+# runs/real_seed1, runs/real_seed2: GRPO's, online DPO's and PPO's prompts and sampling, the DPO pairs'
+# prompts and samples; the 300 test prompts stay the same); a seed's finished stages are kept. Then eval.py
+# on every seed's policies from their cached answers: accuracy with CIs over seeds + prompts, and each seed's.
 REAL_SEEDS ?= 0 1 2
+REAL_METHODS ?= grpo dpo dpo_online ppo
 real_dir = $(if $(filter 0,$(1)),runs/real,runs/real_seed$(1))
 demo-real-seeds: install real-model
 	@for s in $(REAL_SEEDS); do d=$$([ $$s = 0 ] && echo runs/real || echo runs/real_seed$$s); \
-	  [ -f $$d/eval/results.json ] && echo "demo-real-seeds: $$d holds seed $$s's finished demo-real: kept" || \
-	  $(MAKE) --no-print-directory demo-real SEED=$$s || exit 1; done
+	  if [ -f $$d/eval/results.json ]; then echo "demo-real-seeds: $$d holds seed $$s's finished demo-real: kept"; \
+	  else $(MAKE) --no-print-directory demo-real SEED=$$s || exit 1; fi; \
+	  if [ -f $$d/eval_online/results.json ] && [ -f $$d/eval_ppo/results.json ]; then echo "demo-real-seeds: $$d holds seed $$s's finished real-more: kept"; \
+	  else $(MAKE) --no-print-directory real-more SEED=$$s || exit 1; fi; done
+	@$(MAKE) --no-print-directory real-seeds-eval
+real-seeds-eval:
 	@rm -rf runs/real_seeds && mkdir -p runs/real_seeds/cache && cp $(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/cache/*.json) runs/real_seeds/cache/
-	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) grpo=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/grpo)) \
-	  dpo=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/dpo)) $(REAL_EVAL) --cache_dir runs/real_seeds/cache --output_dir runs/real_seeds/eval
+	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) $(foreach m,$(REAL_METHODS),$(m)=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/$(m)))) \
+	  $(REAL_EVAL) --cache_dir runs/real_seeds/cache --output_dir runs/real_seeds/eval
 	@$(PYTHON) studies/ifeval_report.py runs/real_seeds/eval
 
 # RLVR on the arithmetic world (worlds/world_arith.py): SFT from scratch on noisy worked solutions, then

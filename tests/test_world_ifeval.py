@@ -240,3 +240,29 @@ def test_report_pools_a_methods_seeds():
     assert rows["strict accuracy, all families"] == ["**0.500** (0.100, 0.900)", "**0.500** (0.050, 0.950) |"]  # seeds + prompts
     assert rows["empty answers"] == ["0.000", "0.250 |"]  # one empty answer of grpo's four, not 1 of 2
     assert rows["mean length (words)"] == ["4.0", "2.0 |"]  # (0 + 5 + 2 + 1) / 4; the first run alone: 1.0
+
+
+def test_seeds_table_runs_every_method_on_its_own_seeds_data():
+    """`make -n`: real-more SEED=1 trains online DPO with the verifier as its judge, the reward model
+    on seed 1's own labelled pairs and PPO against that reward model; demo-real-seeds pools each
+    method's runs over the seeds (a slip in a path would mix seeds or train PPO on seed 0's model).
+    Only recipes without $(MAKE) in them, which `make -n` really prints and does not run."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = lambda *a: subprocess.run(["make", "-n", "--no-print-directory", *a], cwd=root, capture_output=True,  # noqa: E731
+                                    text=True, check=True).stdout
+    stages = run("real-eval-online", "real-eval-ppo", "SEED=1")
+    assert "dpo.py --online --seed 1" in stages and "--reward_fn ifeval_strict" in stages
+    assert "--output_dir runs/real_seed1/dpo_online" in stages
+    assert "reward.py --seed 1 --model models/SmolLM2-135M-Instruct --dataset runs/real_seed1/pairs.jsonl" in stages
+    assert "ppo.py --seed 1 --model models/SmolLM2-135M-Instruct --reward_model runs/real_seed1/reward" in stages
+    assert "ppo=runs/real_seed1/ppo " in stages and "dpo_online=runs/real_seed1/dpo_online " in stages
+    assert "--cache_dir runs/real_seed1/cache" in stages
+    seeds = run("real-seeds-eval", "REAL_SEEDS=0 2")  # demo-real-seeds' last step (-n would run its loop's makes)
+    for m in ("grpo", "dpo", "dpo_online", "ppo"):
+        assert f" {m}=runs/real/{m},runs/real_seed2/{m} " in seeds
