@@ -166,7 +166,8 @@ demo-real-seeds: install real-model
 	  else $(MAKE) --no-print-directory real-more SEED=$$s || exit 1; fi; done
 	@$(MAKE) --no-print-directory real-seeds-eval
 real-seeds-eval:
-	@rm -rf runs/real_seeds && mkdir -p runs/real_seeds/cache && cp $(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/cache/*.json) runs/real_seeds/cache/
+	@rm -rf runs/real_seeds && mkdir -p runs/real_seeds/cache && \
+	  for f in $(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/cache/*.json); do cp $$f runs/real_seeds/cache/ || exit 1; done  # the base's answers are in every seed's cache
 	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) $(foreach m,$(REAL_METHODS),$(m)=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/$(m)))) \
 	  $(REAL_EVAL) --cache_dir runs/real_seeds/cache --output_dir runs/real_seeds/eval
 	@$(PYTHON) studies/ifeval_report.py runs/real_seeds/eval
