@@ -89,7 +89,8 @@ demo-eval: $(DEMO_STAGES)
 # (worlds/world_ifeval.py). DPO: up to 4 pairs a prompt and RPO's NLL term on the chosen answers (one pair a
 # prompt without it gave +0.01). SEED=1 writes runs/real_seed1/ (the test prompts stay the same).
 REAL_MODEL ?= models/SmolLM2-135M-Instruct
-REAL ?= $(if $(filter 0,$(SEED)),runs/real,runs/real_seed$(SEED))
+real_dir = $(if $(filter 0,$(1)),runs/real,runs/real_seed$(1))
+REAL ?= $(call real_dir,$(SEED))
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50
 REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 32 --save_steps 32
 REAL_PAIRS ?= --num_prompts 192 --num_samples 4 --pairs_per_prompt 4 --max_completion_length 32 --temperature 0.7
@@ -157,13 +158,12 @@ real-eval-ppo: real-ppo
 # on every seed's policies from their cached answers: accuracy with CIs over seeds + prompts, and each seed's.
 REAL_SEEDS ?= 0 1 2
 REAL_METHODS ?= grpo dpo dpo_online ppo
-real_dir = $(if $(filter 0,$(1)),runs/real,runs/real_seed$(1))
 demo-real-seeds: install real-model
-	@for s in $(REAL_SEEDS); do d=$$([ $$s = 0 ] && echo runs/real || echo runs/real_seed$$s); \
-	  if [ -f $$d/eval/results.json ]; then echo "demo-real-seeds: $$d holds seed $$s's finished demo-real: kept"; \
-	  else $(MAKE) --no-print-directory demo-real SEED=$$s || exit 1; fi; \
-	  if [ -f $$d/eval_online/results.json ] && [ -f $$d/eval_ppo/results.json ]; then echo "demo-real-seeds: $$d holds seed $$s's finished real-more: kept"; \
-	  else $(MAKE) --no-print-directory real-more SEED=$$s || exit 1; fi; done
+	@$(foreach s,$(REAL_SEEDS),d=$(call real_dir,$(s)); \
+	  if [ -f $$d/eval/results.json ]; then echo "demo-real-seeds: $$d holds seed $(s)'s finished demo-real: kept"; \
+	  else $(MAKE) --no-print-directory demo-real SEED=$(s) || exit 1; fi; \
+	  if [ -f $$d/eval_online/results.json ] && [ -f $$d/eval_ppo/results.json ]; then echo "demo-real-seeds: $$d holds seed $(s)'s finished real-more: kept"; \
+	  else $(MAKE) --no-print-directory real-more SEED=$(s) || exit 1; fi;) true
 	@$(MAKE) --no-print-directory real-seeds-eval
 real-seeds-eval:
 	@rm -rf runs/real_seeds && mkdir -p runs/real_seeds/cache && \
