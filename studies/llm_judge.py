@@ -3,7 +3,7 @@
     JUDGE_MODEL=runs/sft python grpo.py --model runs/sft --reward_fn studies/llm_judge.py:llm_judge
 
 The judge is eval.py's `--judge llm:` judge: a causal LM asked which of two responses is better,
-in both orders (the mean cancels a position bias; eval.llm_judge). A reward needs one score per
+in both orders (the mean cancels a position bias; rlhf/judges.py's llm_judge). A reward needs one score per
 completion, so the judge compares each completion with a fixed baseline: the judge model's own
 greedy response to the same prompt (made once per prompt and kept). The reward is
 P(the completion is better than the baseline), in [0, 1].
@@ -41,7 +41,7 @@ def _judge():
 def llm_judge(prompts, completions, **kwargs):
     """P(completion better than the judge model's greedy response), one float per completion."""
     from rlhf import data
-    import eval as ev
+    from rlhf import judges
 
     j = _judge()
     model, tokenizer, baselines = j["model"], j["tokenizer"], j["baselines"]
@@ -52,5 +52,5 @@ def llm_judge(prompts, completions, **kwargs):
         out, _, _ = j["sampling"].sample_texts(model, tokenizer, rendered, 48, do_sample=False)
         baselines.update(zip(new, out))
     base = [baselines[p] if isinstance(p, str) else "" for p in prompts]
-    probs = ev.llm_judge(model, tokenizer, list(prompts), texts, base, batch_size=32)
+    probs = judges.llm_judge(model, tokenizer, list(prompts), texts, base, batch_size=32)
     return [0.5 if t == b else float(p) for t, b, p in zip(texts, base, probs)]  # the baseline itself ties

@@ -415,7 +415,7 @@ MUTANTS = [
            "return 1000 + 400 * np.log10(p / p[..., :1])",
            "return 1000 + 400 * np.log(p / p[..., :1])",
            [T + "test_eval.py::test_bradley_terry_recovers_known_strengths"]),
-    Mutant("eval_judge_asked_in_one_order", "eval.py",
+    Mutant("eval_judge_asked_in_one_order", "rlhf/judges.py",
            "return (a_first + (1 - b_first)) / 2",
            "return a_first",
            [T + "test_eval.py::test_http_judge_against_a_local_server"]),

@@ -13,6 +13,7 @@ import torch
 from conftest import run_main
 
 import eval as ev
+from rlhf import judges
 from rlhf import policies
 from worlds import scratch
 from worlds import world
@@ -231,14 +232,14 @@ def test_llm_judge_position_swap_cancels_bias():
     prompts = [f"POST: {p} bought the bike . TL;DR:" for p in ["alice", "bob", "carol"]]
     a = [" alice bought bike .", " bob lost phone .", " carol fixed lamp . dave hid car ."]
     b = [" bob sold car .", " bob lost phone . bob lost phone .", " the weather was nice ."]
-    first = ev.prob_first_better(model, tok, prompts, a, b)
+    first = judges.prob_first_better(model, tok, prompts, a, b)
     assert (first > 0.9).all()  # asked once, the judge says "A" whatever it is shown
-    np.testing.assert_allclose(ev.llm_judge(model, tok, prompts, a, a), 0.5, atol=1e-6)  # identical: exactly even
-    np.testing.assert_allclose(ev.llm_judge(model, tok, prompts, a, b) + ev.llm_judge(model, tok, prompts, b, a), 1.0,
+    np.testing.assert_allclose(judges.llm_judge(model, tok, prompts, a, a), 0.5, atol=1e-6)  # identical: exactly even
+    np.testing.assert_allclose(judges.llm_judge(model, tok, prompts, a, b) + judges.llm_judge(model, tok, prompts, b, a), 1.0,
                                atol=1e-6)
     plain = scratch.fit_tokenizer(["alice bought bike ."], "char")  # no "A"/"B" tokens: a loud error
     with pytest.raises(SystemExit, match="single token"):
-        ev.prob_first_better(model, plain, prompts, a, b)
+        judges.prob_first_better(model, plain, prompts, a, b)
 
 
 def test_random_llm_judge_gives_ties_not_wins():
@@ -250,7 +251,7 @@ def test_random_llm_judge_gives_ties_not_wins():
     test = world.build_world()["test"].select(range(40))
     a = [" " + post.split(" . ")[0] + " ." for post in test["post"]]  # the post's first fact
     b = [" " + " . ".join(post.split(" . ")[:2]) + " ." for post in test["post"]]  # its first two
-    prob = ev.llm_judge(model, tok, test["prompt"], a, b)
+    prob = judges.llm_judge(model, tok, test["prompt"], a, b)
     assert np.abs(prob - 0.5).max() < 0.01  # no preference
     counts = prompt_counts(40, 500, seed=0)
     assert ev.win_rate_stats(ev.outcomes_from_probs(prob, tie_margin=0.0), counts)["ties"] == 0  # the old rule
@@ -546,10 +547,10 @@ JUDGE_FILE = "Prompt: {prompt}\nFirst <<{a}>>\nSecond <<{b}>>\nJSON braces stay:
 def test_judge_template_fills_once_and_is_checked(tmp_path, monkeypatch, capsys):
     from conftest import main_error
 
-    assert ev.fill_template(JUDGE_FILE, "p", " {b} ", "two") == ("Prompt: p\nFirst <<{b}>>\nSecond <<two>>\n"
+    assert judges.fill_template(JUDGE_FILE, "p", " {b} ", "two") == ("Prompt: p\nFirst <<{b}>>\nSecond <<two>>\n"
                                                                  "JSON braces stay: {\"x\": 1}. Answer A or B:")
     tok = world.build_tokenizer()  # no chat template: the question as the file writes it
-    assert ev.judge_input(tok, [{"role": "user", "content": "hi"}], "x", "y", JUDGE_FILE).startswith("Prompt: user: hi\nFirst <<x>>")
+    assert judges.judge_input(tok, [{"role": "user", "content": "hi"}], "x", "y", JUDGE_FILE).startswith("Prompt: user: hi\nFirst <<x>>")
     (tmp_path / "bad.txt").write_text("Which is better, {a} or the other?")
     message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "bad.txt")], monkeypatch, capsys)
     assert "--judge_template" in message and "lacks {prompt}, {b}" in message
@@ -567,10 +568,10 @@ def test_pairwise_reward_model_judge_is_position_debiased(tiny_folders, tmp_path
     model, tok = ev.common.load_reward_model(str(path), ev.Args(dtype="float32"))
     model.score.bias = torch.nn.Parameter(torch.tensor([3.0]))  # favours the first, whatever it is
     prompts, a, b = ["POST: alice bought the bike . TL;DR:"] * 2, [" alice bought bike .", " bob lost phone ."], [" bob sold car .", " a"]
-    first = lambda p, f, s: ev.pairwise_first_better(model, tok, p, f, s)  # noqa: E731
+    first = lambda p, f, s: judges.pairwise_first_better(model, tok, p, f, s)  # noqa: E731
     assert (first(prompts, a, b) > 0.8).all() and (first(prompts, b, a) > 0.8).all()
-    np.testing.assert_allclose(ev.position_debiased(first, prompts, a, a), 0.5, atol=1e-7)
-    np.testing.assert_allclose(ev.position_debiased(first, prompts, a, b) + ev.position_debiased(first, prompts, b, a), 1.0,
+    np.testing.assert_allclose(judges.position_debiased(first, prompts, a, a), 0.5, atol=1e-7)
+    np.testing.assert_allclose(judges.position_debiased(first, prompts, a, b) + judges.position_debiased(first, prompts, b, a), 1.0,
                                atol=1e-7)
     out = root / "pairwise"
     run_eval([root / "pi0", root / "pi1", "--output_dir", out, "--judge", f"pairwise:{path}", "--num_prompts", "8",
