@@ -1,4 +1,5 @@
-"""dpo.py: Direct Preference Optimization (Rafailov et al. 2023), offline and online.
+"""dpo.py: Direct Preference Optimization (Rafailov et al. 2023), offline and online. Recipes,
+the embedded world's tuning and evidence: docs/dpo.md.
 
 DPO trains the policy directly on preference pairs (x, y_w, y_l), with no reward model and no
 value network. Its loss (Eq. 7) is a logistic loss on the difference of implicit rewards
@@ -6,53 +7,32 @@ r(x, y) = beta * log pi_theta(y|x) / pi_ref(y|x):
 
     L = -log sigmoid( beta * [ (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)) ] )
 
-where log pi(y|x) is the *sum* of the completion's per-token log-probs.
+where log pi(y|x) is the *sum* of the completion's per-token log-probs. --loss_type ipo
+(Azar et al. 2023, Eq. 17) and robust (Chowdhury et al. 2024, Eq. 9), --label_smoothing
+(conservative DPO) and --rpo_alpha (RPO's NLL on y_w, Pang et al. 2024) are in `dpo_loss`
+and `chosen_nll`.
 
 Memory (the design document's "over 50% less"): the reference is the initial policy, frozen.
 Offline, its log-probs never change, so with --precompute_ref_logps (on by default) they are
-computed once for the whole dataset, before the first update, and training holds one model.
-Off, a frozen copy of the reference stays loaded and is run on every batch; both give the same
-loss on the same batch (tests/test_dpo.py).
+computed once for the whole dataset before the first update, and training holds one model.
 
-Online (iterative) DPO, --online (Guo et al. 2024; TRL's OnlineDPOTrainer): offline DPO learns
-from someone else's samples and drifts on what the policy itself writes. Each step, the current
+Online (iterative) DPO, --online (Guo et al. 2024; TRL's OnlineDPOTrainer): each step the current
 policy samples two completions per prompt, a judge labels the better one (the gold judge on the
 embedded world, --reward_model, or --reward_fn), and DPO trains on these fresh pairs.
 
 Departures from the paper and from TRL:
 - The reference log-probs are computed by the policy itself in eval mode before its first update
-  (it *is* the reference then), so with precompute on no second model is ever loaded: peak
-  memory holds one model's weights, not two for a while. TRL loads a reference and drops it.
-  (TRL names this flag precompute_ref_log_probs.)
-- `--rpo_alpha` adds RPO's NLL term on the chosen responses (off by default, as in TRL; on for
-  the summarization world's policy, below).
-- `ipo` uses per-token mean log-probs, as TRL does (Azar et al. 2023 leave this open); `sigmoid`
-  and `robust` use sums, as in the DPO paper.
+  (it *is* the reference then), so no second model is ever loaded; TRL loads a reference and
+  drops it. (TRL's name: precompute_ref_log_probs.)
+- `ipo` uses per-token mean log-probs, as TRL does (the paper leaves it open); `sigmoid` and
+  `robust` use sums, as in the DPO paper.
 - Online: pairs whose two samples get equal scores carry no preference; they are skipped and
   counted (`ties`), where TRL keeps them with an arbitrary label. The reference stays loaded
   (fresh samples need fresh reference log-probs), so online DPO holds two models.
-- Defaults: TRL's for a pretrained model (lr 5e-7; online 64 new tokens at temperature 0.9).
-  With no arguments, it trains the from-scratch policy in runs/sft on the embedded world, with
-  values tuned for that tiny model (common.apply_defaults): lr 1e-5 offline (larger steps on
-  the noisy labels lower its greedy gold score) with RPO's NLL term, rpo_alpha 1.0, on the
-  summarization world only (without it, DPO on the annotators' pairs adds copied-wrong clauses
-  and its greedy gold only ties the SFT policy's: CHANGELOG.md; the arithmetic world's pairs are
-  verified, so there it trains plain DPO), 500 steps offline (4.4 passes over the 3600 training
-  pairs; 250 gave gold 0.822 on seed 0, 500 0.865: CHANGELOG.md), 3e-4 online, and online samples of
-  48 tokens at temperature 0.7: pairs near the greedy mode teach what greedy decoding says.
-
---eval_dataset holds preference pairs (prompt, chosen, rejected) offline and online alike: the
-held-out DPO loss, reward accuracy and margin against the reference (precomputed for it too).
-
-Run:
-    python dpo.py                       # offline, embedded preference pairs -> runs/dpo
-    python dpo.py --online              # online, gold judge on embedded prompts -> runs/dpo_online
-    python dpo.py --model runs/sft_arith12 --dataset embedded:arith:1,2 --output_dir runs/dpo_arith12
-                                        # offline, the arithmetic world's pairs from its demonstrator
-    python dpo.py --online --reward_model runs/reward
-    python dpo.py --use_peft --load_in_4bit   # QLoRA (adapters want ~10x the lr); the reference is the base, adapters off
-    python dpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset trl-lib/ultrafeedback_binarized \\
-        --batch_size 4 --gradient_accumulation_steps 16
+- --eval_dataset holds preference pairs offline and online alike: the held-out loss, reward
+  accuracy and margin against the reference (precomputed for it too).
+- Defaults suit a pretrained model; the embedded world's tiny policy has its own, tuned to it
+  (`embedded_defaults`, docs/dpo.md).
 """
 
 from dataclasses import dataclass, field
@@ -66,6 +46,7 @@ from rlhf import data
 from rlhf import lora
 from rlhf import memory
 from rlhf import parallel
+from rlhf import rollouts
 from rlhf import sampling
 from rlhf import tracking
 from rlhf import vllm_rollouts
@@ -78,24 +59,68 @@ class Args(SamplingArgs):
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Chosen/rejected completions are cut to their first this-many tokens (EOS included)."})
     # generation (online only)
-    max_new_tokens: int = field(default=64, metadata={"help": "Online: most tokens sampled per completion (embedded world: 48)."})
-    temperature: float = field(default=0.9, metadata={"help": "Online: sampling temperature of the two completions per prompt (embedded world: 0.7, which keeps the pairs near the greedy mode that is evaluated)."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Online: most tokens sampled per completion."})
+    temperature: float = field(default=0.9, metadata={"help": "Online: sampling temperature of the two completions per prompt."})
     # algorithm
     beta: float = field(default=0.1, metadata={"help": "KL strength: the implicit reward is beta * log pi/ref (Eq. 7)."})
     loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid (DPO, Eq. 7) | ipo (Azar et al. 2023) | robust (Chowdhury et al. 2024)."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Assumed probability that a label is flipped: conservative DPO (sigmoid) or robust DPO; in [0, 0.5)."})
-    rpo_alpha: float = field(default=0.0, metadata={"help": "Weight of an NLL (SFT) loss on the chosen responses added to the DPO loss (RPO, Pang et al. 2024; TRL's rpo_alpha); 0: off."})
-    precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model (--no_precompute_ref_logps keeps a frozen reference loaded)."})
-    online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt from the current policy and label them with the judge (default output runs/dpo_online)."})
+    rpo_alpha: float = field(default=0.0, metadata={"help": "Weight of an NLL loss on the chosen responses added to the DPO loss (RPO; TRL's rpo_alpha); 0: off."})
+    precompute_ref_logps: bool = field(default=True, metadata={"help": "Offline: compute the reference log-probs once before training, so training holds one model."})
+    online: bool = field(default=False, metadata={"help": "Online DPO: each step, sample two completions per prompt and label them with the judge (default output runs/dpo_online)."})
     reward_model: str = field(default="", metadata={"help": "Online judge: a reward model folder saved by reward.py."})
-    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions, file.py:function (or 'gold'), called by keyword as TRL calls them (docs/usage.md)."})
-    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the judge's score is the weighted sum over the functions that do not return None."})
+    reward_fn: str = field(default="", metadata={"help": "Online judge: comma-separated reward functions (gold, file.py:function, ...; TRL's contract: docs/usage.md)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1)."})
     # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
-    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate (TRL's; embedded world: 1e-5 offline, 3e-4 online)."})
+    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name."})
     warmup_steps: int = field(default=5, metadata={"help": "Linear warm-up steps."})
-    batch_size: int = field(default=8, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch (TRL's; embedded world: 32)."})
+    batch_size: int = field(default=8, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch."})
+
+
+def embedded_defaults(args):
+    """The values tuned for the embedded world's tiny policy (common.apply_defaults; docs/dpo.md):
+    online pairs are exact and on-policy, so they take a larger step than the annotators' noisy
+    offline pairs; RPO's NLL term answers those noisy pairs, so other datasets train plain DPO."""
+    rpo = not args.online and args.dataset == common.EMBEDDED
+    return {"learning_rate": 3e-4 if args.online else 1e-5, "rpo_alpha": 1.0 if rpo else 0.0,
+            "max_steps": 250 if args.online else 500, "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32}
+
+
+def validate(args):
+    """The checks main() needs before anything loads."""
+    common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
+    if not 0 <= args.label_smoothing < 0.5:
+        common.fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
+    if args.loss_type == "ipo" and args.label_smoothing:
+        common.fail("--label_smoothing applies to --loss_type sigmoid or robust, not ipo.")
+    if args.beta <= 0:
+        common.fail(f"--beta must be positive, got {args.beta}.")
+    if (args.reward_model or args.reward_fn) and not args.online:
+        common.fail("--reward_model and --reward_fn label online samples; add --online.")
+    sampling_flags = [f for f in ("top_p", "top_k", "min_p", "repetition_penalty", "log_completions") if common.passed(f)]
+    if sampling_flags and not args.online:
+        common.fail(f"--{', --'.join(sampling_flags)} shape or show online samples; add --online.")
+    if args.reward_model and args.reward_fn:
+        common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
+    if args.use_vllm:
+        if not args.online:
+            common.fail("--use_vllm samples online pairs; add --online (offline DPO samples nothing).")
+        vllm_rollouts.check_args(args)
+    return args
+
+
+def print_memory_plan(args):
+    """--estimate_memory: what DPO holds (the policy, a reference unless precomputed, online a judge)."""
+    live_ref = args.online or not args.precompute_ref_logps
+    memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
+                      reward_models=[args.reward_model] if args.online else [],
+                      reward_note="the --reward_fn judge" if args.online else "implicit in DPO",
+                      train_sequences=2 * args.batch_size, train_prompts=args.batch_size,
+                      generation_sequences=2 * args.batch_size if args.online else 0,
+                      **dict(zip(["prompt_length", "completion_length"], memory.data_lengths(
+                          args, "rl" if args.online else "prefs", args.max_new_tokens if args.online else "data"))))
 
 
 # ------------------------------------------------------------------------ the DPO loss
@@ -205,7 +230,7 @@ def make_judge(args, world_data):
     return judge, None
 
 
-def sample_pairs(model, tokenizer, prompts, columns, judge, args, position, llm=None):
+def sample_pairs(model, tokenizer, prompts, columns, judge, args, position, sampler=None):
     """Two samples per prompt from the current policy, labelled by the judge.
 
     Returns the batch (prompt ids, completion ids with chosen first, masks) of the non-tied
@@ -213,18 +238,12 @@ def sample_pairs(model, tokenizer, prompts, columns, judge, args, position, llm=
     of every sample for --log_completions.
     """
     texts = [data.render_prompt(tokenizer, p) for p in prompts]
-    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, texts, args.max_prompt_length)  # (B, P)
-    prompt_ids, prompt_mask = prompt_ids.to(model.device), prompt_mask.to(model.device)
-    # rows 2i and 2i+1 are the two samples of prompt i
-    if llm is None:
-        completion_ids, completion_mask, truncated = sampling.generate(
-            model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
-            num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
-    else:  # --use_vllm: the same contract from the engine (its log-probs are not needed: DPO recomputes them)
-        completion_ids, completion_mask, truncated, _ = vllm_rollouts.generate(
-            llm, model, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, temperature=args.temperature,
-            num_return_sequences=2, **common.sampling_kwargs(args, *position))  # (2B, C)
-    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, texts, args.max_prompt_length, model.device)  # (B, P)
+    # rows 2i and 2i+1 are the two samples of prompt i (rlhf/rollouts.py: plain or --use_vllm, the same contract)
+    sampler = sampler or rollouts.Sampler(tokenizer, args, args.max_new_tokens)  # default: plain decoding
+    rollout = rollouts.sample(sampler, model, prompt_ids, prompt_mask, prompts, 2, position)  # (2B, C)
+    completion_ids, completion_mask, truncated = rollout.completion_ids, rollout.completion_mask, rollout.truncated
+    texts = rollout.texts
     prompts2 = [p for p in prompts for _ in (0, 1)]  # each prompt's row, twice, to match the samples
     columns2 = {k: [x for x in v for _ in (0, 1)] for k, v in columns.items()}
     completions = sampling.reward_completions(prompts2, texts)  # TRL's form: text, or an assistant message
@@ -283,44 +302,70 @@ def render_triples(tokenizer, triples):
             [data.render_completion(tokenizer, p, r) for p, _, r in triples])
 
 
+# ------------------------------------------------------------------------ one step's pieces
+def training_examples(args, tokenizer, stop_ids):
+    """What training reads, and the truncation counts: offline the rendered (prompt, chosen,
+    rejected) texts of the preference pairs; online the prompts and their other columns (the
+    judge's)."""
+    script = common.script_name()
+    ds = data.training_data(args, "rl" if args.online else "prefs")
+    if args.online:
+        data.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
+        data.check_text(ds, ["prompt"], args.dataset)
+        prompts = list(ds["prompt"])
+        columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
+        data.check_readable(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
+        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, script)
+        return {"prompts": prompts, "columns": columns}, truncated
+    prompts, chosen, rejected = render_triples(tokenizer, data.preference_triples(ds, args.dataset))
+    data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
+    truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, script, stop_ids)
+    return {"prompts": prompts, "chosen": chosen, "rejected": rejected}, truncated
+
+
+def training_pairs(examples, idx, position, model, tokenizer, judge, sampler, args, stop_ids):
+    """A micro-batch of pairs: the dataset's rows `idx` (offline), or two fresh samples of each of
+    its prompts labelled by the judge (online, `sample_pairs`). Returns the batch (None when every
+    online pair tied), the judge's metrics, the samples for --log_completions and how many sampled
+    completions had no EOS."""
+    if "chosen" in examples:
+        pick = {k: [examples[k][i] for i in idx] for k in ("prompts", "chosen", "rejected")}
+        return encode_pairs(tokenizer, pick["prompts"], pick["chosen"], pick["rejected"], args, stop_ids), {}, None, 0
+    batch, stats, samples = sample_pairs(model, tokenizer, [examples["prompts"][i] for i in idx],
+                                         {k: [v[i] for i in idx] for k, v in examples["columns"].items()}, judge, args,
+                                         position, sampler)
+    return batch, stats, samples, round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
+
+
+@torch.no_grad()
+def reference_logps(ref_cache, ref_model, idx, batch, args):
+    """(ref_chosen_logps, ref_rejected_logps), each (B,): from the precomputed cache, or a forward
+    of the frozen reference (with --use_peft: the policy with its adapters off)."""
+    if ref_cache is not None:
+        return ref_cache[idx].to(common.device()).unbind(1)
+    with lora.adapters_off(ref_model):
+        return pair_logps(ref_model, batch, args.loss_type)
+
+
+def step_metrics(rows):
+    """The means of one step's micro-batches; online, the judge's metrics count the micro-batches
+    whose pairs all tied too, and `ties` is the sum over every rank."""
+    trained = [r for r in rows if "loss" in r]
+    metrics = tracking.mean_metrics(trained) if trained else {}
+    if "ties" in rows[-1]:
+        judge_keys = [k for k in rows[-1] if k == "ties" or k.startswith(("objective/", "val/"))]
+        metrics.update(tracking.mean_metrics([{k: r[k] for k in judge_keys} for r in rows]))
+        metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
+    return metrics
+
+
 # ------------------------------------------------------------------------ main
 def main():
-    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
+    script = common.script_name()  # a fork (my_dpo.py) prints, and shows its progress, under its own name
     args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
-    # the embedded world's tiny policy: online pairs are exact (the judge, not noisy labels) and
-    # on-policy, so they take a larger step than offline ones; RPO's NLL term answers the summarization
-    # world's noisy annotator pairs, so other datasets (embedded:arith's verified pairs) train plain DPO
-    rpo = not args.online and args.dataset == common.EMBEDDED
-    common.apply_defaults(args, {"learning_rate": 3e-4 if args.online else 1e-5, "rpo_alpha": 1.0 if rpo else 0.0,
-                                 "max_steps": 250 if args.online else 500,
-                                 "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32})
-    if args.estimate_memory:  # what DPO holds: the policy, a reference unless precomputed, online a judge
-        live_ref = args.online or not args.precompute_ref_logps
-        memory.print_plan(args, reference=True if live_ref else "log-probs precomputed (--precompute_ref_logps)",
-                          reward_models=[args.reward_model] if args.online else [],
-                          reward_note="the --reward_fn judge" if args.online else "implicit in DPO",
-                          train_sequences=2 * args.batch_size, train_prompts=args.batch_size,
-                          generation_sequences=2 * args.batch_size if args.online else 0,
-                          **dict(zip(["prompt_length", "completion_length"], memory.data_lengths(
-                              args, "rl" if args.online else "prefs", args.max_new_tokens if args.online else "data"))))
-    common.check_choice("--loss_type", args.loss_type, ["sigmoid", "ipo", "robust"])
-    if not 0 <= args.label_smoothing < 0.5:
-        common.fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}.")
-    if args.loss_type == "ipo" and args.label_smoothing:
-        common.fail("--label_smoothing applies to --loss_type sigmoid or robust, not ipo.")
-    if args.beta <= 0:
-        common.fail(f"--beta must be positive, got {args.beta}.")
-    if (args.reward_model or args.reward_fn) and not args.online:
-        common.fail("--reward_model and --reward_fn label online samples; add --online.")
-    sampling_flags = [f for f in ("top_p", "top_k", "min_p", "repetition_penalty", "log_completions") if common.passed(f)]
-    if sampling_flags and not args.online:
-        common.fail(f"--{', --'.join(sampling_flags)} shape or show online samples; add --online.")
-    if args.reward_model and args.reward_fn:
-        common.fail("pass one online judge: --reward_model or --reward_fn, not both.")
-    if args.use_vllm:
-        if not args.online:
-            common.fail("--use_vllm samples online pairs; add --online (offline DPO samples nothing).")
-        vllm_rollouts.check_args(args)
+    args = validate(common.apply_defaults(args, embedded_defaults(args)))
+    if args.estimate_memory:
+        print_memory_plan(args)
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
@@ -334,21 +379,8 @@ def main():
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
 
     # ---- data: rendered (prompt, chosen, rejected) texts offline; prompts (and their columns) online
-    ds = data.training_data(args, "rl" if args.online else "prefs")
-    if args.online:
-        data.require_columns(ds, ["prompt"], args.dataset, "Online DPO samples completions for prompts.")
-        data.check_text(ds, ["prompt"], args.dataset)
-        prompts = list(ds["prompt"])
-        columns = {k: list(ds[k]) for k in ds.column_names if k not in ("prompt", "completion", "chosen", "rejected")}
-        n_examples = len(prompts)
-        data.check_readable(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts[:16]], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, [data.render_prompt(tokenizer, p) for p in prompts], None, args, script)
-    else:
-        triples = data.preference_triples(ds, args.dataset)
-        prompts, chosen, rejected = render_triples(tokenizer, triples)
-        n_examples = len(triples)
-        data.check_readable(tokenizer, [p + c for p, c in zip(prompts, chosen)], args.model, args.dataset)
-        truncated = data.truncation_counts(tokenizer, prompts, chosen + rejected, args, script, stop_ids)
+    examples, truncated = training_examples(args, tokenizer, stop_ids)
+    n_examples = len(examples["prompts"])
     eval_ds = data.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
@@ -357,10 +389,10 @@ def main():
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
 
     # ---- the reference: precomputed log-probs (offline, one model), a frozen copy (two models), or
-    # with --use_peft the policy's own base with its adapters off (one model)
-    ref_model, ref_cache, eval_ref, judge_model = None, None, None, None
+    # with --use_peft the policy's own base with its adapters off (one model); online, the judge
+    ref_model, ref_cache, eval_ref, judge, judge_model = None, None, None, None, None
     if not args.online and args.precompute_ref_logps:
-        ref_cache = precompute_ref_logps(model, tokenizer, prompts, chosen, rejected, args)  # (N, 2)
+        ref_cache = precompute_ref_logps(model, tokenizer, examples["prompts"], examples["chosen"], examples["rejected"], args)
         if eval_texts:
             eval_ref = precompute_ref_logps(model, tokenizer, *eval_texts, args)  # (N_eval, 2)
     else:
@@ -372,50 +404,33 @@ def main():
         init["init_gold_score"] = common.gold_eval(model, tokenizer, args)["gold_score"]
         print(f"{script}: gold score before training {init['init_gold_score']:.3f}")
 
-    # ---- optimizer
+    # ---- optimizer, resume, and the sampler of online pairs (rlhf/rollouts.py)
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = tracking.MetricsLogger(args, start_step)
-    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
-    llm = vllm_rollouts.start_engine(model, tokenizer, args, args.max_prompt_length + args.max_new_tokens) if args.use_vllm else None
-    # what training holds: one model with precompute on, two (policy + reference) otherwise
-    separate_ref = ref_model is not None and ref_model is not model
-    held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
-            + (memory.tensor_bytes(ref_model) if separate_ref else 0),
-            "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
-    print(f"{script}: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB of weights"
-          + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
+    sampler = rollouts.start(model, tokenizer, args, args.max_new_tokens)
+    held = models_held(model, ref_model, judge_model)
+    frozen = {"reference model": ref_model if held["models_alive"] == 2 else None, "reward model": judge_model}
 
     # ---- loop
     pbar = tracking.progress(args, start_step, desc=script)
     final, eval_metrics = {}, {}  # the last step's training loss and accuracy, the last evaluation
     for step in pbar:
         rows, num_tokens = [], 0
-        sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, model)} if llm is not None else {}
+        sync_metrics = rollouts.load_weights(sampler, model)  # online: the sampler samples with the current weights
         for micro in range(args.gradient_accumulation_steps):
-            # this rank's slice of the global micro-batch; the step is the position in the data
-            idx = parallel.shard(data.batch_indices(n_examples, args.batch_size * parallel.world_size(), args.seed,
-                                                    step * args.gradient_accumulation_steps + micro))
-            # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online)
-            stats = {}
-            if args.online:
-                batch, stats, samples = sample_pairs(model, tokenizer, [prompts[i] for i in idx],
-                                                     {k: [v[i] for i in idx] for k, v in columns.items()}, judge, args,
-                                                     (step, micro), llm)
-                truncated["completions_truncated"] += round((1 - float(stats["val/contain_eos_token"])) * 2 * len(idx))
-                if batch is None:  # every pair tied: nothing to learn from this micro-batch
-                    rows.append(stats)
-                    continue
-            else:
-                batch = encode_pairs(tokenizer, [prompts[i] for i in idx], [chosen[i] for i in idx],
-                                     [rejected[i] for i in idx], args, stop_ids)
+            # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online); this
+            # rank's slice of the global micro-batch, whose number is the position in the data
+            idx = data.rank_batch(n_examples, args.batch_size, args.seed, step * args.gradient_accumulation_steps + micro)
+            batch, stats, samples, n_truncated = training_pairs(examples, idx, (step, micro), model, tokenizer, judge,
+                                                                sampler, args, stop_ids)
+            truncated["completions_truncated"] += n_truncated
+            if batch is None:  # every pair tied: nothing to learn from this micro-batch
+                rows.append(stats)
+                continue
             # 2. reference log-probs: from the cache, or a forward of the frozen reference
-            if ref_cache is not None:
-                ref_chosen_logps, ref_rejected_logps = ref_cache[idx].to(device).unbind(1)  # (B,), (B,)
-            else:
-                with torch.no_grad(), lora.adapters_off(ref_model):
-                    ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
+            ref_chosen_logps, ref_rejected_logps = reference_logps(ref_cache, ref_model, idx, batch, args)  # (B,), (B,)
             # 3. policy log-probs and the DPO loss (Eq. 7), mean over pairs
             chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)  # (B,), (B,)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -435,30 +450,25 @@ def main():
                          "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
                          "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(),
                          **({"nll_loss": nll.detach()} if nll is not None else {}), **stats})
-        vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the optimizer step
-        memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
-                          frozen={"reference model": ref_model if separate_ref else None, "reward model": judge_model})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
+        rollouts.release(sampler)  # online: the sampler frees what it holds for the optimizer step, where it can
+        memory.log_memory(args.output_dir, model, optimizer, frozen=frozen)  # memory.json, once, at the first full step
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
         scheduler.step()
 
-        # ---- log (means over the --logging_steps window), evaluate and save
-        trained = [r for r in rows if "loss" in r]
-        metrics = tracking.mean_metrics(trained) if trained else {}
-        if args.online:  # judge metrics also count micro-batches that were all ties
-            metrics.update(tracking.mean_metrics([{k: r[k] for k in stats} for r in rows]))
-            metrics["ties"] = int(parallel.all_reduce(sum(r["ties"] for r in rows), "sum"))  # over all ranks
+        # 4. log (means over the --logging_steps window), evaluate and save
+        metrics = step_metrics(rows)
         final = {f"final_{k}": float(metrics[k]) for k in ("loss", "rewards/accuracies", "rewards/margins") if k in metrics}
         logger.update({**metrics, **sync_metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
-            if args.online and args.log_completions:
+            if samples is not None:  # online: the last micro-batch's samples and scores (--log_completions)
                 tracking.log_completions(args, step + 1, samples[0], samples[1], {"score": samples[2]})
         if eval_texts and ((args.eval_steps and (step + 1) % args.eval_steps == 0) or step + 1 == args.max_steps):
             eval_metrics = evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   checkpoints.training_state(step + 1, optimizer, scheduler))
+                                        checkpoints.training_state(step + 1, optimizer, scheduler))
 
     # ---- final save and evaluation
     logger.close()
@@ -466,18 +476,37 @@ def main():
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
-    if args.online and truncated["completions_truncated"]:
-        print(f"{script}: {truncated['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
-    if embedded:
+    finish(model, tokenizer, args, summary, sampler)
+
+
+def models_held(model, ref_model, judge_model):
+    """What training holds, printed and kept for summary.json: one model with the reference
+    precomputed (or the policy's own base with --use_peft), two with a frozen copy, and a judge."""
+    separate_ref = ref_model is not None and ref_model is not model
+    held = {"models_alive": 1 + separate_ref, "model_bytes": memory.tensor_bytes(model)
+            + (memory.tensor_bytes(ref_model) if separate_ref else 0),
+            "judge_bytes": memory.tensor_bytes(judge_model) if judge_model is not None else 0}
+    print(f"{common.script_name()}: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB "
+          "of weights" + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
+    return held
+
+
+def finish(model, tokenizer, args, summary, sampler):
+    """The end of a run: the truncation count, the embedded world's test gold score, whether the
+    loss blew up, summary.json (then the output folder's lock goes), and the sampler stopped last."""
+    script = common.script_name()
+    if args.online and summary["completions_truncated"]:
+        print(f"{script}: {summary['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
+    if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
         summary.update(ev)
-        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {init['init_gold_score']:.3f}); "
+        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {summary['init_gold_score']:.3f}); "
               f"e.g. {ev['samples'][0]!r}")
     summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
     # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
-    vllm_rollouts.shutdown(llm)
+    rollouts.stop(sampler)
     print(f"{script}: {checkpoints.saved_where(args)}")
 
 

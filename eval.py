@@ -58,7 +58,7 @@ Judges (--judge):
   letter (A 1, B 0, anything else 0.5); asked in both orders, ties as above. Every request waits
   --judge_timeout seconds and is tried 1 + --judge_max_retries times; then the run stops in one
   sentence (the generations stay cached).
-The question the llm, pairwise and http judges (rlhf/judges.py) read is its JUDGE_TEMPLATE, or --judge_template FILE
+The question the llm, pairwise and http judges (rlhf/evaluation/judges.py) read is its JUDGE_TEMPLATE, or --judge_template FILE
 with {prompt}, {a} and {b} where the prompt and the two responses go.
 
 Departures and choices:
@@ -102,14 +102,14 @@ import numpy as np
 from rlhf import checkpoints
 import common
 from rlhf import data
-from rlhf import judges
-from rlhf import policies
-from rlhf import reports
+from rlhf.evaluation import judges
+from rlhf.evaluation import policies
+from rlhf.evaluation import reports
 from rlhf import sampling
 from rlhf import vllm_rollouts
 from worlds import world
 from common import ModelArgs, VllmArgs
-from rlhf.policies import REFERENCE
+from rlhf.evaluation.policies import REFERENCE
 
 CI_LEVEL = 0.95
 BT_PRIOR_GAMES = 1.0  # virtual drawn games per pair of policies (see the module docstring)
@@ -135,7 +135,7 @@ class Args(VllmArgs, ModelArgs):
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (with --do_sample; 0: off)."})
     # judge and statistics
     judge: str = field(default="gold", metadata={"help": "gold (--reward_fn, default the embedded gold judge) | rm:PATH (reward model from reward.py) | llm:MODEL (local causal LM, asked in both orders) | pairwise:PATH (a sequence classifier with one logit, shown both responses: P(first better) = sigmoid(logit), asked in both orders) | http:MODEL (an OpenAI-compatible server at --judge_base_url, e.g. vLLM's, asked in both orders)."})
-    judge_template: str = field(default="", metadata={"help": "A text file with the question the llm, pairwise and http judges are asked, holding {prompt}, {a} and {b} (the two responses); with --judge llm the answer letter, A or B, must come next. Default: rlhf/judges.py's JUDGE_TEMPLATE."})
+    judge_template: str = field(default="", metadata={"help": "A text file with the question the llm, pairwise and http judges are asked, holding {prompt}, {a} and {b} (the two responses); with --judge llm the answer letter, A or B, must come next. Default: rlhf/evaluation/judges.py's JUDGE_TEMPLATE."})
     judge_base_url: str = field(default="", metadata={"help": "With --judge http:MODEL: the server's OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (vllm serve MODEL); POST <url>/chat/completions."})
     judge_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "With --judge http: the environment variable holding the API key, sent as a Bearer token (unset: no key sent)."})
     judge_timeout: float = field(default=60.0, metadata={"help": "With --judge http: seconds to wait for one answer before trying again."})

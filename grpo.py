@@ -1,96 +1,43 @@
 """grpo.py: Group Relative Policy Optimization, critic-free RL from verifiable or learned rewards
-(Shao et al. 2024, DeepSeekMath, Sec. 4.1).
+(Shao et al. 2024, DeepSeekMath, Sec. 4.1). Rewards, tools, recipes and evidence: docs/grpo.md.
 
 For every prompt x the policy samples a group of G completions y_1..y_G and scores them. The
-baseline is the group itself, so no value network is trained or held in memory:
+group is the baseline, so no value network is trained or held in memory. Every token of y_i
+gets the advantage A_i, and the policy minimises a clipped surrogate plus a k3 KL to pi_ref:
 
-    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        (DeepSeekMath Sec. 4.1.2)
-
-Every token of y_i gets A_i. The policy then minimises a clipped surrogate (PPO, with dual clip
-and clip-higher) plus a per-token k3 estimate of KL(pi || pi_ref), weighted by beta:
-
+    A_i  = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)                     (DeepSeekMath Sec. 4.1.2)
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
-    s_t  = min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)           (PPO Eq. 7)
-    s_t  = max(s_t, c A)  where A < 0                                         (dual clip, Ye et al. 2020)
-    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                         (DeepSeekMath Eq. 4)
-    l_t  = -(s_t - beta kl_t), aggregated over tokens by --loss_type          (DeepSeekMath Eq. 3)
+    s_t  = min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)             (PPO Eq. 7; DAPO Sec. 3.1)
+    s_t  = max(s_t, c A)  where A < 0                                           (dual clip, Ye et al. 2020)
+    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                           (DeepSeekMath Eq. 4)
+    l_t  = -(s_t - beta kl_t), summed over the model's own tokens and normalised by --loss_type:
+        grpo     1/G sum_i 1/|y_i| sum_t l_t                                    (DeepSeekMath Eq. 3)
+        dr_grpo  sum_i sum_t l_t / (G * max_completion_length)                  (Liu et al. 2025)
+        dapo     sum_i sum_t l_t / (tokens of the optimizer batch)              (Yu et al. 2025, Sec. 3.3)
+        bnpo     sum_i sum_t l_t / (tokens of the micro-batch), mean over micro-batches (TRL)
+        cispo    l_t = -sg(min(r_t, 1 + epsilon_high)) A log pi(y_t) + beta kl_t, dapo's normaliser
+                 (MiniMax-M1, 2025: the IS weight is clipped, never the token's gradient)
 
-GSPO (`--importance_sampling_level sequence`, Zheng et al. 2025): the same objective
-with one ratio per completion in place of r_t, the geometric mean of its token ratios,
-
-    s_i = (pi(y_i | x) / pi_old(y_i | x))^(1/|y_i|) = exp( 1/|y_i| sum_t (logp_t - old_logp_t) )
-
-used for every token of y_i (so the clip keeps or drops whole completions). A different ratio,
-not a different algorithm: advantages, KL and aggregation stay as above.
-
-Loss types beyond DeepSeekMath's (`--loss_type`, see `grpo_loss` for each normaliser):
-    dr_grpo  sum_i sum_t l_t / (N * max_completion_length)                (Liu et al. 2025)
-    dapo     sum_i sum_t l_t / (tokens of the optimizer batch)             (Yu et al. 2025, Sec. 3.3)
-    bnpo     sum_i sum_t l_t / (tokens of the micro-batch), mean over micro-batches (TRL's bnpo)
-    cispo    l_t = -sg(min(r_t, 1 + epsilon_high)) A log pi(y_t) + beta kl_t, dapo's normaliser
-             (MiniMax-M1 technical report, 2025: the IS weight is clipped, never the token's
-             gradient; no lower bound, as in the paper)
-
-Tools (`--tools file.py:fn`, TRL's `tools=`; tools.py): a completion y is then a multi-turn
-exchange, the model's turns interleaved with tool replies that the chat template renders as tool
-turns. Let m_t = 1 on the model's own tokens (each turn and its end-of-turn token) and 0 on the
-tools' replies and the template's glue between turns (completion_mask). Log-probs are those of
-the full context, logp_t = log pi(y_t | x, y_<t) with y_<t holding the replies, and every sum
-over t above runs over tokens with m_t = 1 only (|y_i| = sum_t m_t): the tools' tokens are read,
-never trained on, never in the KL, the entropy or the token counts.
-
-Rewards: the embedded world's gold judge used as a rule verifier (`--reward_fn gold`, RLVR, the
-default), the arithmetic world's exact answer checkers (`--reward_fn arith_strict`, `arith_lenient`),
-the execution verifiers (`--reward_fn exec_tests`, `exec_tests_strict`: the completion's code run
-against the `tests` column in sandbox.py's limited process),
-a reward model saved by reward.py (`--reward_model runs/reward`), a user function
-`--reward_fn rewards.py:fn` called as TRL calls it (by keyword: prompts, completions,
-completion_ids, the other columns, trainer_state, log_extra, log_metric; reward_contract.call_reward_fns),
-or a weighted sum of several (`--reward_weights`). As in TRL, a function may return None for a
-completion it does not apply to: the sum leaves it out, and a completion no function applies to
-gets reward NaN, is left out of its group's mean and std, and gets advantage 0.
+GSPO (--importance_sampling_level sequence, Zheng et al. 2025) replaces r_t by one ratio per
+completion, exp(1/|y_i| sum_t (logp_t - old_logp_t)), so the clip keeps or drops whole completions.
 
 Departures from the paper and from TRL:
-- `--loss_type grpo` (the default) is DeepSeekMath's per-sequence token mean; `dr_grpo` and
-  `dapo` are the later fixes of its length bias (see `grpo_loss`). TRL defaults to `dapo`.
-- The dual clip (off in TRL) is on by default, as in the design document; with
-  --num_iterations 1 the ratio is exactly 1, so neither clip can bind until --num_iterations > 1.
-- `--scale_rewards auto` is `none` for dr_grpo (Dr. GRPO drops the std), `batch` when a
-  `--reward_model` is among the rewards, and `group` otherwise. A reward model gives the G
-  near-identical samples of a converged group scores that differ by noise (0.01 apart, say);
-  dividing by that group's std turns the noise into full-size advantages, and the policy chases
-  it (CHANGELOG.md, 2026-12-04: with `group`, GRPO on the demo's seed-1 reward model writes
-  copy errors everywhere, win rate 0.018 against SFT; 0.480 with `batch`). A verifier's tied rewards give
-  std 0 and A = 0 instead.
-- `--use_vllm` samples with a vLLM engine (vllm_rollouts.py) whose log-probs differ from the
-  trainer's by its numerics (bf16 kernels, say). pi_old stays the trainer's (as in TRL), and
-  each token's loss is weighted by TRL's truncated or masked importance ratio pi_old / pi_vLLM
-  (`importance_sampling_weights`; on by default, as in TRL). --eval_dataset and the final gold
-  score still sample with the project's sampler.
-- `--reward_model` scores have the reward model's training mean (`reward_mean`, stored by
-  reward.py) subtracted, so logged rewards read like PPO's; advantages do not change.
-- Defaults: TRL's for a pretrained model (lr 1e-6, temperature 1.0, 256-token completions,
-  micro-batches of 8 completions, 8 prompts per step);
-  for the embedded world's tiny policy (runs/sft) the values tuned for it, `EMBEDDED_DEFAULTS`
-  (common.apply_defaults says which apply). At temperature 1.0 the tiny policy's samples score
-  far below its greedy output, the group baseline then favours the empty summary (gold 0), and
-  the policy collapses to it; hence 0.7 there.
-
-Run:
-    python grpo.py                                        # runs/sft + gold verifier -> runs/grpo
-    python grpo.py --reward_model runs/reward             # learned reward instead of the verifier
-    python grpo.py --reward_model runs/reward --reward_fn gold --reward_weights 0,1 --output_dir runs/grpo_rm
-                                                          # ... and log the samples' gold score (weight 0)
-    python grpo.py --reward_model runs/reward --eval_dataset embedded --eval_steps 10 --eval_reward_fn gold --output_dir runs/grpo_rm
-                                                          # ... and every 10 steps the gold score of greedy test completions
-    python grpo.py --model Qwen/Qwen2.5-1.5B               # embedded prompts, gold, TRL's defaults
-    python grpo.py --model <folder> --dataset prompts.jsonl --reward_fn rewards.py:fn
-    python grpo.py --model runs/sft_arith --dataset embedded:arith --reward_fn arith_strict --temperature 1.0 --output_dir runs/grpo_arith
-    python grpo.py --model runs/sft_arith_tools --dataset embedded:arith_tools --reward_fn arith_strict --tools worlds/calculator.py:add \
-        --max_tool_calling_iterations 1 --max_completion_length 96 --temperature 1.0   # tool calls (make demo-tools)
-    python grpo.py --use_peft --learning_rate 5e-4       # LoRA: the reference is the base with the adapters off
-    .venv-vllm/bin/python grpo.py --use_vllm              # sample with vLLM (make vllm-env; docs/vllm.md)
-    python grpo.py --model Qwen/Qwen2.5-7B --use_peft --load_in_4bit --gradient_checkpointing   # QLoRA
+- --loss_type grpo (the paper's per-sequence mean) is the default; TRL's is dapo.
+- The dual clip (off in TRL) is on, as in the design document. With --num_iterations 1 the
+  ratio is exactly 1, so no clip binds; pi_old is the first update's own forward, detached.
+- --scale_rewards auto: none for dr_grpo, batch with a --reward_model (a converged group's
+  reward-model noise must not become full-size advantages), group otherwise.
+- A reward function may return None (TRL's contract); a completion no function applies to gets
+  reward NaN, is left out of its group's mean and std, and gets A = 0.
+- --reward_model scores are centred by the reward model's training mean, so logged rewards read
+  like PPO's; the advantages do not change.
+- When another engine samples (--use_vllm), each token's loss is weighted by TRL's truncated or
+  masked importance ratio pi_old / pi_sampler (`sampler_correction`). TRL's default bias
+  correction of the KL by that ratio is not applied.
+- Tool replies (--tools) are read, never trained on: every sum over t runs over the model's own
+  tokens (completion_mask), and so do the KL, the entropy and the token counts.
+- Defaults suit a pretrained model; the embedded world's tiny policy has its own
+  (EMBEDDED_DEFAULTS: at temperature 1.0 it collapses to the empty summary).
 """
 
 import os
@@ -105,6 +52,7 @@ from rlhf import data
 from rlhf import lora
 from rlhf import memory
 from rlhf import parallel
+from rlhf import rollouts
 from rlhf import sampling
 from rlhf import tools
 from rlhf import tracking
@@ -121,37 +69,84 @@ EMBEDDED_DEFAULTS = {"learning_rate": 5e-5, "temperature": 0.7, "max_completion_
 class Args(SamplingArgs):
     # model and data
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
-    # rewards
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: 'gold' (the embedded judge as a verifier), arith_strict / arith_lenient (embedded:arith), exec_tests / exec_tests_strict (run the code against the `tests` column: sandbox.py) or file.py:function, called by keyword as TRL calls it (docs/usage.md). Default: gold when no --reward_model is given."})
+    # rewards (docs/grpo.md lists the built-in ones and the reward-function contract)
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions: gold, arith_strict, arith_lenient, exec_tests, exec_tests_strict, ifeval_strict, or file.py:function (TRL's contract). Default: gold without --reward_model."})
     reward_model: str = field(default="", metadata={"help": "Comma-separated folders of reward models saved by reward.py."})
-    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per reward: the --reward_fn ones first, then --reward_model (default: all 1)."})
-    eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside a --reward_model: Gao et al. 2022's gold score)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, --reward_fn ones first, then --reward_model (default: all 1)."})
+    eval_reward_fn: str = field(default="", metadata={"help": "Reward functions that score the --eval_dataset completions but are never trained on (e.g. gold beside a --reward_model)."})
     # generation
     num_generations: int = field(default=8, metadata={"help": "G: completions sampled per prompt (at least 2)."})
-    max_completion_length: int = field(default=256, metadata={"help": "Completions stop at a stop token or this many tokens (embedded world: 32)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (embedded world: 0.7); log-probs are computed at the same temperature."})
-    # tools (tools.py): the model may call these functions mid-answer; only its own tokens are trained
-    tools: str = field(default="", metadata={"help": "Comma-separated file.py:function tools (type hints + a docstring give the schema the chat template shows; the file is executed here, each call runs in sandbox.py). Needs conversational prompts."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool turns per completion at most (None: until a turn makes no call or --max_completion_length, which counts the tool tokens too, is reached)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Completions stop at a stop token or this many tokens."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."})
+    # tools (rlhf/tools.py): the model may call these functions mid-answer; only its own tokens are trained
+    tools: str = field(default="", metadata={"help": "Comma-separated file.py:function tools the model may call (conversational prompts; each call runs in the sandbox)."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool turns per completion at most (default: until a turn makes no call or the length is reached)."})
     # algorithm
     beta: float = field(default=0.04, metadata={"help": "Weight of the k3 KL to the reference; 0 never loads the reference model."})
     epsilon: float = field(default=0.2, metadata={"help": "Clip range: the ratio is clipped below at 1 - epsilon."})
     epsilon_high: float = field(default=0.0, metadata={"help": "Upper clip 1 + epsilon_high (DAPO clip-higher, e.g. 0.28); 0: same as --epsilon."})
     dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip c > 1: for A < 0 the objective is bounded below by c*A; 0 disables."})
-    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy. log pi_old comes from the first update's forward, so reuse costs no extra pass."})
-    loss_type: str = field(default="grpo", metadata={"help": "grpo (per-sequence mean) | dr_grpo (constant normaliser) | dapo (token mean over the optimizer batch) | bnpo (token mean over each micro-batch) | cispo (clipped IS weight times log-prob, MiniMax-M1)."})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one ratio per completion, the geometric mean of its token ratios (GSPO, Zheng et al. 2025)."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy."})
+    loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo | bnpo | cispo (the docstring's normalisers)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one per completion (GSPO)."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, batch with a --reward_model, else group."})
-    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With --use_vllm: weight each token's loss by the truncated (or masked) importance ratio pi_train / pi_vLLM of the sampled tokens (TRL's TIS; see importance_sampling_weights)."})
-    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "token_truncate | token_mask | sequence_truncate | sequence_mask: one ratio per token or per completion, clipped at the cap or zeroed above it (TRL's modes and default)."})
-    vllm_importance_sampling_cap: float = field(default=3.0, metadata={"help": "C of --vllm_importance_sampling_mode (TRL's default)."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With --use_vllm: weight each token's loss by the truncated or masked ratio pi_train / pi_vLLM (TRL's)."})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's modes and default)."})
+    vllm_importance_sampling_cap: float = field(default=3.0, metadata={"help": "The cap C of --vllm_importance_sampling_mode (TRL's default)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
     # optimisation
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (TRL's; embedded world: 5e-5)."})
-    batch_size: int = field(default=1, metadata={"help": "Prompts per micro-batch; each yields --num_generations completions (TRL: 8 completions per device; embedded world: 8 prompts)."})
-    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step (embedded world: 1)."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    batch_size: int = field(default=1, metadata={"help": "Prompts per micro-batch, each with --num_generations completions."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step."})
     eval_batch_size: int = field(default=200, metadata={"help": "Prompts per generation batch when scoring the test split."})
+
+
+def validate(args):
+    """The checks main() needs before anything loads, and the values `auto` resolves to."""
+    common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
+    common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
+    common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
+    common.check_choice("--vllm_importance_sampling_mode", args.vllm_importance_sampling_mode,
+                        ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+    if args.use_vllm:
+        vllm_rollouts.check_args(args)
+        if args.tools:
+            common.fail("--tools samples with the project's own decoding loop (tools.py); --use_vllm does not run tool "
+                        "calls: drop one of the two.")
+    if args.scale_rewards == "auto":
+        # a reward model's within-group noise must not be scaled up to full-size advantages (docstring)
+        args.scale_rewards = "none" if args.loss_type == "dr_grpo" else "batch" if args.reward_model else "group"
+    if args.num_generations < 2:
+        common.fail(f"--num_generations {args.num_generations}: GRPO needs at least 2 completions per prompt, "
+                    "since each is judged against the others of its group (with 1, every advantage is 0).")
+    if args.dual_clip_c and args.dual_clip_c <= 1:
+        common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
+    if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
+        common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        common.fail(f"--max_tool_calling_iterations {args.max_tool_calling_iterations}: must be >= 0 (or unset: no limit).")
+    if args.save_steps and args.save_steps % args.num_iterations:
+        common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
+                    "so a checkpoint never falls inside a rollout's reuse.")
+    script, B, G = common.script_name(), args.batch_size, args.num_generations
+    if common.passed("batch_size") and parallel.is_main():  # a config ported from TRL means other things (docs/trl.md)
+        print(f"{script}: note: a micro-batch here is --batch_size {B} prompts x --num_generations {G} = {B * G} "
+              f"completions, which is TRL's per_device_train_batch_size {B * G}.")
+    if args.loss_type == "cispo" and args.epsilon_high >= 1 and parallel.is_main():
+        print(f"{script}: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
+              f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
+    return args
+
+
+def print_memory_plan(args):
+    """--estimate_memory: what GRPO holds (the policy, a reference unless beta == 0, reward models)."""
+    memory.print_plan(args, reference=True if args.beta else "--beta 0",
+                      reward_models=args.reward_model.split(","), reward_note="reward function(s) only",
+                      train_sequences=args.batch_size * args.num_generations, train_prompts=args.batch_size,
+                      generation_sequences=args.batch_size * args.num_generations,
+                      **dict(zip(["prompt_length", "completion_length"],
+                                 memory.data_lengths(args, "rl", args.max_completion_length))))
 
 
 # ============================================================================ advantages
@@ -199,7 +194,7 @@ def batch_normalisers(completion_masks):
     return num_sequences, num_tokens.clamp(min=1 / parallel.world_size())
 
 
-# ============================================================================ the sampler-trainer gap (--use_vllm)
+# ============================================================================ the sampler-trainer gap
 def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask, mode, cap):
     """TRL's correction for a sampler whose numerics differ from the trainer's (Yao et al. 2025,
     "Your efficient RL framework secretly brings you off-policy RL training"): the tokens were
@@ -217,7 +212,26 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask
     return torch.clamp(rho, max=cap) if mode.endswith("truncate") else rho.masked_fill(rho > cap, 0.0)
 
 
+def sampler_correction(old_logprobs, sampling_logprobs, completion_mask, args):
+    """The importance weights for samples another engine drew (`sampling_logprobs` not None: --use_vllm)
+    and the gap's metrics (vllm_rollouts.gap_metrics); the weights are None with
+    --no_vllm_importance_sampling_correction (the gap is still logged). The trainer's own samples
+    need no correction: (None, {})."""
+    if sampling_logprobs is None:
+        return None, {}
+    is_weights = importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask,
+                                             args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
+    gap = vllm_rollouts.gap_metrics(old_logprobs, sampling_logprobs, completion_mask, is_weights)
+    return (is_weights if args.vllm_importance_sampling_correction else None), gap
+
+
 # ============================================================================ loss
+def masked_mean(x, mask):
+    """The mean of x over the tokens where mask is 1."""
+    mask = mask.float()
+    return (x.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, args,
               num_sequences=None, num_tokens=None, is_weights=None):
     """The GRPO objective (module docstring) for a micro-batch, and its metrics.
@@ -272,18 +286,15 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
 
     # metrics: fractions of tokens where each clip binds (TRL's clip_ratio/*), mean KL
     with torch.no_grad():
-        def masked_mean(x):
-            return (x.float() * mask).sum() / mask.sum().clamp(min=1)
-
         low = (ratio < 1 - args.epsilon) & (adv < 0)
         high = (ratio > 1 + epsilon_high) & (adv > 0)
         if args.loss_type == "cispo":  # the weight is capped whatever the sign of A; nothing else clips
             low, high = torch.zeros_like(low), ratio > 1 + epsilon_high
         dual = (ratio > args.dual_clip_c) & (adv < 0) if args.dual_clip_c and args.loss_type != "cispo" else torch.zeros_like(low)
-        metrics = {"clip_ratio": masked_mean(low | high), "clip_ratio/low_mean": masked_mean(low),
-                   "clip_ratio/high_mean": masked_mean(high), "clip_ratio/dual_mean": masked_mean(dual)}
+        metrics = {"clip_ratio": masked_mean(low | high, mask), "clip_ratio/low_mean": masked_mean(low, mask),
+                   "clip_ratio/high_mean": masked_mean(high, mask), "clip_ratio/dual_mean": masked_mean(dual, mask)}
         if kl is not None:
-            metrics["kl"] = masked_mean(kl)
+            metrics["kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
@@ -354,73 +365,86 @@ def evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step=0
             **{f"eval_rewards/{name}/mean": float(held_out[:, k].nanmean()) for k, name in enumerate(eval_fns)}}
 
 
+# ============================================================================ one rollout's pieces
+def check_rewards(reward, num_generations, step):
+    """A NaN reward means that no reward function applied: it is left out of the baseline and gets
+    A = 0 (TRL), and the run says so; any other non-finite reward stops the run."""
+    unscorable = reward.isnan()
+    if unscorable.any():
+        i, G = int(unscorable.nonzero()[0]), num_generations
+        print(f"{common.script_name()}: warning: every reward function returned None for completion {i % G} of "
+              f"prompt {i // G} ({int(unscorable.sum())} such completions this batch): advantage 0, as TRL.")
+    common.check_finite("reward", reward[~unscorable], step + 1)
+
+
+def rollout_metrics(rollout, reward, rewards_per_source, reward_names, reward_logs, num_generations):
+    """TRL's metrics of one micro-batch's rollout: means over the completions each reward applies
+    to (TRL's nanmean), what the reward functions log_metric, lengths in the model's own tokens, and
+    the tool calls per completion and the share of them that failed where tools ran."""
+    group_std = nanstd(reward.view(-1, num_generations), 1)  # (B,)
+    lengths = rollout.completion_mask.sum(1).float()
+    metrics = {"reward": reward.nanmean(), "reward_std": group_std.nanmean(),
+               "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
+               **{f"rewards/{n}/mean": rewards_per_source[:, k].nanmean() for k, n in enumerate(reward_names)},
+               **{f"rewards/{n}/std": nanstd(rewards_per_source[:, k]) for k, n in enumerate(reward_names)},
+               **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()},  # log_metric
+               "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+               "completions/max_length": lengths.max(), "completions/clipped_ratio": rollout.truncated.float().mean()}
+    if rollout.tool_calls is not None:
+        calls = torch.tensor([rollout.tool_calls, rollout.tool_failures], dtype=torch.float)
+        metrics.update({"tools/call_frequency": calls[0] / len(rollout.texts),
+                        "tools/failure_frequency": calls[1] / calls[0].clamp(min=1)})
+    return metrics
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, temperature):
+    """log pi_ref of the sampled tokens in the context the policy read (with --use_peft: the policy
+    with its adapters off); None without a reference (beta == 0)."""
+    if ref_model is None:
+        return None
+    with lora.adapters_off(ref_model):
+        return sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                            rollout.attention_mask, temperature)
+
+
+def trained_mask(rollout, args):
+    """The tokens the loss is taken over: the model's own (never tool replies); with
+    --mask_truncated_completions none of a completion without EOS, whose reward judged an
+    unfinished text (its reward still shapes the group's baseline)."""
+    if args.mask_truncated_completions:
+        return rollout.completion_mask * (~rollout.truncated[:, None]).long()
+    return rollout.completion_mask
+
+
+def log_completions(args, step, sample, advantages, raw_prompts, reward_names):
+    """--log_completions: a micro-batch's prompts, completions, each reward, the weighted reward,
+    the advantage and the reward functions' log_extra columns."""
+    group, texts, rewards_per_source, reward, extra = sample
+    tracking.log_completions(args, step, [raw_prompts[i] for i in group], texts, {
+        **{n: rewards_per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
+        "advantage": advantages, **extra})
+
+
 # ============================================================================ main
 def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
-    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
-    if args.estimate_memory:  # what GRPO holds: the policy, a reference unless beta == 0, reward models
-        memory.print_plan(args, reference=True if args.beta else "--beta 0",
-                          reward_models=args.reward_model.split(","), reward_note="reward function(s) only",
-                          train_sequences=args.batch_size * args.num_generations, train_prompts=args.batch_size,
-                          generation_sequences=args.batch_size * args.num_generations,
-                          **dict(zip(["prompt_length", "completion_length"],
-                                     memory.data_lengths(args, "rl", args.max_completion_length))))
-    common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
-    common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
-    common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
-    common.check_choice("--vllm_importance_sampling_mode", args.vllm_importance_sampling_mode,
-                        ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-    if args.use_vllm:
-        vllm_rollouts.check_args(args)
-        if args.tools:
-            common.fail("--tools samples with the project's own decoding loop (tools.py); --use_vllm does not run tool "
-                        "calls: drop one of the two.")
-    if args.scale_rewards == "auto":
-        # a reward model's within-group noise must not be scaled up to full-size advantages (docstring)
-        args.scale_rewards = "none" if args.loss_type == "dr_grpo" else "batch" if args.reward_model else "group"
-    if args.num_generations < 2:
-        common.fail(f"--num_generations {args.num_generations}: GRPO needs at least 2 completions per prompt, "
-                    "since each is judged against the others of its group (with 1, every advantage is 0).")
-    if args.dual_clip_c and args.dual_clip_c <= 1:
-        common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
-    if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
-        common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
-    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
-        common.fail(f"--max_tool_calling_iterations {args.max_tool_calling_iterations}: must be >= 0 (or unset: no limit).")
-    if args.save_steps and args.save_steps % args.num_iterations:
-        common.fail(f"--save_steps {args.save_steps} must be a multiple of --num_iterations {args.num_iterations}, "
-                    "so a checkpoint never falls inside a rollout's reuse.")
+    args = validate(common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS))
+    if args.estimate_memory:
+        print_memory_plan(args)
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
     parallel.init_distributed()  # under torchrun: join the process group (only rank 0 prints); a no-op otherwise
-    # a config ported from TRL means other things by these two (docs/trl.md)
-    B = args.batch_size
-    if common.passed("batch_size"):
-        print(f"{script}: note: a micro-batch here is --batch_size {B} prompts x --num_generations {G} = {B * G} "
-              f"completions, which is TRL's per_device_train_batch_size {B * G}.")
-    if args.loss_type == "cispo" and args.epsilon_high >= 1:
-        print(f"{script}: note: cispo caps the IS weight at 1 + --epsilon_high = {1 + args.epsilon_high:g} "
-              f"(TRL caps it at epsilon_high itself: pass {args.epsilon_high - 1:g} for TRL's {args.epsilon_high:g}).")
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()
 
     # ---- data: prompt-only rows (TRL's format); every other column goes to the reward functions
-    ds = data.training_data(args, "rl")
-    data.require_columns(ds, ["prompt"], args.dataset, "GRPO trains on prompt-only data.")
-    data.check_text(ds, ["prompt"], args.dataset)
+    ds, eval_ds = data.prompt_data(args, "GRPO")
     extra_columns = [c for c in ds.column_names if c != "prompt"]
-    # --tools: functions the model may call; their JSON schemas go to the chat template with every prompt
-    tool_list = tools.load_tools(args.tools) if args.tools else []
+    tool_list = tools.load_tools_for_prompts(args.tools, ds["prompt"], args.dataset)  # --tools: schemas go to every prompt
     schemas = [t.schema for t in tool_list] or None
-    if tool_list and not all(data.is_conversational(p) for p in ds["prompt"]):
-        common.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(args.dataset)}: "
-                    "tool turns are rendered by the chat template.")
-    eval_ds = data.eval_data(args)
-    if eval_ds is not None:
-        data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "GRPO evaluates on prompt-only data.")
-        data.check_text(eval_ds, ["prompt"], args.eval_dataset)
     # --num_train_epochs: each rollout of batch_size prompts (per micro-batch) serves num_iterations steps
     data.set_max_steps(args, len(ds) * args.num_iterations,
-                         args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+                       args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
 
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -428,18 +452,12 @@ def main():
     model = common.load_model(args.model, args, adapters=True)
     common.disable_dropout(model).train()  # dropout off by zeroing it (TRL's disable_dropout), training mode
     model = parallel.distribute(model, args)  # --parallel ddp | fsdp2 under torchrun
-    # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off);
-    # beta == 0 saves its memory entirely
+    # the KL anchor: the starting policy, frozen (with --use_peft: the policy's base, adapters off)
     ref_model = common.reference_of(model, args) if args.beta else None
     rewards, weights = load_rewards(args)
     reward_names = [r["name"] for r in rewards]
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
-    # what the reward functions read is in the data they score, checked now rather than at an evaluation
-    fns = [r["fn"] for r in rewards if "fn" in r]
-    common.check_reward_data(fns, ds, "--dataset", args.dataset)
-    if eval_ds is not None:
-        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, extra_columns)
-        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
+    common.check_reward_datasets([r["fn"] for r in rewards if "fn" in r], eval_fns.values(), ds, eval_ds, args)
     raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
@@ -450,14 +468,14 @@ def main():
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.batch_size} x {G} completions per micro-batch, device {device}")
 
-    # ---- optimizer
+    # ---- optimizer, resume, and the sampler (plain, --use_vllm or --tools: rlhf/rollouts.py)
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
     logger = tracking.MetricsLogger(args, start_step)
-    sync_metrics = {}  # --use_vllm: the last weight sync's time
-    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
-    llm = vllm_rollouts.start_engine(model, tokenizer, args, args.max_prompt_length + args.max_completion_length) if args.use_vllm else None
+    sampler = rollouts.start(model, tokenizer, args, args.max_completion_length, tool_list)
+    frozen = {"reference model": None if ref_model is model else ref_model,  # for memory.json
+              "reward model": [r["model"] for r in rewards if "model" in r]}
 
     # ---- loop
     start = time.time()
@@ -466,153 +484,78 @@ def main():
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
         if step % args.num_iterations == 0:
-            batches, rollout_metrics, samples = [], [], []
-            if llm is not None:  # the engine samples with the weights of the last optimizer step
-                sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, model)}
+            batches, metrics_per_micro, samples = [], [], []
+            sync_metrics = rollouts.load_weights(sampler, model)  # the sampler samples with the current weights
             for micro in range(args.gradient_accumulation_steps):
-                # this rank's prompts of the global batch; the step is the position in the data
-                idx = parallel.shard(data.batch_indices(
-                    len(ds), args.batch_size * parallel.world_size(), args.seed,
-                    (step // args.num_iterations) * args.gradient_accumulation_steps + micro))
-                prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
-                prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (B, P)
-                # (B*G, C): groups are consecutive rows; each prompt is encoded once for its G samples,
-                # here and in every log-prob pass below (sampling.completion_logprobs shares it)
-                completions = None  # TRL's conversational form of a tool-using exchange, for the rewards
-                sampling_logprobs = None  # the sampler's own log-probs, when vLLM sampled (--use_vllm)
-                if tool_list:
-                    # turns of the model and replies of the tools (tools.py): the model reads all of them
-                    # (attention_mask) and is trained on its own tokens only (completion_mask = 0 on tool
-                    # replies and on the template's glue between turns)
-                    rollout = tools.generate_with_tools(
-                        model, tokenizer, prompt_ids, prompt_mask, [raw_prompts[i] for i in idx], tool_list,
-                        args.max_tool_calling_iterations, args.max_completion_length, args.temperature, G,
-                        **common.sampling_kwargs(args, step, micro))
-                    completion_ids, attention_mask, completion_mask, truncated, completions = (
-                        rollout.completion_ids, rollout.attention_mask, rollout.completion_mask, rollout.truncated,
-                        rollout.messages)
-                    texts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(completion_ids, attention_mask)]
-                    tool_calls = torch.tensor([rollout.calls, rollout.failures], dtype=torch.float)
-                else:
-                    if llm is None:
-                        completion_ids, completion_mask, truncated = sampling.generate(
-                            model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                            num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
-                    else:  # the same contract, plus the engine's log-probs of its samples (B*G, C)
-                        completion_ids, completion_mask, truncated, sampling_logprobs = vllm_rollouts.generate(
-                            llm, model, tokenizer, prompt_ids, prompt_mask, args.max_completion_length, args.temperature,
-                            num_return_sequences=G, **common.sampling_kwargs(args, step, micro))
-                    attention_mask = completion_mask  # every completion token is the model's
-                    texts = sampling.decode_completions(tokenizer, completion_ids, completion_mask, truncated)
-                truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
+                # this rank's prompts of the global batch; the rollout's number is the position in the data
+                idx = data.rank_batch(len(ds), args.batch_size, args.seed,
+                                      (step // args.num_iterations) * args.gradient_accumulation_steps + micro)
+                prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length, device)
+                # (B*G, C): groups are consecutive rows; every pass reads each prompt once for its G samples
+                rollout = rollouts.sample(sampler, model, prompt_ids, prompt_mask, [raw_prompts[i] for i in idx], G, (step, micro))
+                truncated_counts["completions_truncated"] += int(rollout.truncated.sum())  # no EOS within the length
 
                 # 2. score every completion with every reward source, then the weighted sum
                 group = [i for i in idx for _ in range(G)]
-                columns = {c: [v[i] for i in group] for c, v in column_values.items()}
                 reward_logs = {"metrics": {}, "extra": {}}  # what the reward functions log_metric / log_extra
-                rewards_per_source = score(rewards, [raw_prompts[i] for i in group], texts,
-                                           sampling.completion_id_lists(completion_ids, attention_mask), columns, args,
-                                           G, step, reward_logs, completions)  # (N, K), NaN where a function returned None
+                rewards_per_source = score(rewards, [raw_prompts[i] for i in group], rollout.texts,
+                                           rollout.completion_id_lists(), {c: [v[i] for i in group] for c, v in column_values.items()},
+                                           args, G, step, reward_logs, rollout.messages)  # (N, K), NaN where a function returned None
                 reward = common.weighted_rewards(rewards_per_source, weights)  # (N,): sum over the rewards that apply
-                unscorable = reward.isnan()  # no reward function applied: left out of the baseline, A = 0 (TRL)
-                if unscorable.any():
-                    i = int(unscorable.nonzero()[0])
-                    print(f"{common.script_name()}: warning: every reward function returned None for completion {i % G} of "
-                          f"prompt {i // G} ({int(unscorable.sum())} such completions this batch): advantage 0, as TRL.")
-                common.check_finite("reward", reward[~unscorable], step + 1)
+                check_rewards(reward, G, step)
+                metrics_per_micro.append(rollout_metrics(rollout, reward, rewards_per_source, reward_names, reward_logs, G))
+                samples.append((group, rollout.texts, rewards_per_source, reward, reward_logs["extra"]))  # --log_completions
 
-                group_std = nanstd(reward.view(-1, G), 1)  # (B,)
-                lengths = completion_mask.sum(1).float()
-                rollout_metrics.append({  # means over the completions each reward applies to (TRL's nanmean)
-                    "reward": reward.nanmean(), "reward_std": group_std.nanmean(),
-                    "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
-                    **{f"rewards/{n}/mean": rewards_per_source[:, k].nanmean() for k, n in enumerate(reward_names)},
-                    **{f"rewards/{n}/std": nanstd(rewards_per_source[:, k]) for k, n in enumerate(reward_names)},
-                    **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()},  # log_metric
-                    "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                    "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
-                })
-                if tool_list:  # calls per completion, and the share of calls that failed (their reply is an error)
-                    rollout_metrics[-1].update({"tools/call_frequency": tool_calls[0] / len(texts),
-                                                "tools/failure_frequency": tool_calls[1] / tool_calls[0].clamp(min=1)})
-                samples.append([group, texts, rewards_per_source, reward, reward_logs["extra"]])  # the advantages join below
-                if args.mask_truncated_completions:  # no EOS: the reward judged an unfinished text
-                    completion_mask = completion_mask * (~truncated[:, None]).long()
-
-                # 3. log-probs of the reference (those of the sampling policy come with the first update)
-                ref_logprobs = None
-                if ref_model is not None:
-                    with torch.no_grad(), lora.adapters_off(ref_model):
-                        ref_logprobs = sampling.completion_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids,
-                                                                  attention_mask, args.temperature)
-                batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                                "attention_mask": attention_mask, "completion_mask": completion_mask, "reward": reward,
-                                "ref_logprobs": ref_logprobs, "old_logprobs": None,
-                                "sampling_logprobs": sampling_logprobs, "is_weights": None, "gap": {}})
-            vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the update
-            # 4. group-relative advantages (groups with equal rewards carry no signal) and the loss's
-            # normalisers, over the whole optimizer batch: every micro-batch, every rank
+                # 3. the reference's log-probs (the sampling policy's come with the first update)
+                batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
+                                "attention_mask": rollout.attention_mask, "completion_mask": trained_mask(rollout, args),
+                                "reward": reward, "old_logprobs": None, "sampling_logprobs": rollout.sampling_logprobs,
+                                "ref_logprobs": reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, args.temperature)})
+            rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
+            # 4. group-relative advantages and the loss's normalisers, over every micro-batch on every rank
             advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards)
-            for b, a, sample in zip(batches, advantages, samples):
+            for b, a in zip(batches, advantages):
                 b["advantages"] = a.to(device)  # (N,)
-                sample.append(a)  # for --log_completions
             num_sequences, num_tokens = batch_normalisers([b["completion_mask"] for b in batches])
             rollout_tokens = sum(int(b["prompt_mask"].sum()) * G + int(b["completion_mask"].sum()) for b in batches)
 
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
         for mb in batches:
-            # log pi(y_t | x, y_<t) at every position after the prompt, in the full multi-turn context (tool
-            # replies included); grpo_loss, the KL, the entropy and the token counts then weigh each position
-            # by completion_mask, which is 0 on the tools' tokens: those get no gradient and count nowhere
+            # log pi(y_t | x, y_<t) in the full context the model read; the loss weighs them by completion_mask
             logprobs, entropy = sampling.completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                              mb["attention_mask"], args.temperature, with_entropy=True)
-            # the rollout's first update runs on the weights that sampled it, so pi_old == pi here: the
-            # ratio is exactly 1 with pi's gradient, and no extra forward pass is needed for pi_old;
-            # later updates of the same rollout (--num_iterations > 1) reuse these log-probs
+            # the first update of a rollout runs on the weights that sampled it: pi_old == pi, ratio exactly 1
             if mb["old_logprobs"] is None:
                 mb["old_logprobs"] = logprobs.detach()
-                # --use_vllm: the trainer's log-probs (pi_old, also with --num_iterations > 1, as in TRL)
-                # against the engine's, and the importance weights that correct for the gap
-                if mb["sampling_logprobs"] is not None:
-                    # (not `weights`: that name holds the rewards' weights for the next rollout)
-                    is_weights = importance_sampling_weights(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
-                                                             args.vllm_importance_sampling_mode, args.vllm_importance_sampling_cap)
-                    mb["gap"] = vllm_rollouts.gap_metrics(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"],
-                                                          is_weights)
-                    mb["is_weights"] = is_weights if args.vllm_importance_sampling_correction else None
+                mb["is_weights"], mb["gap"] = sampler_correction(mb["old_logprobs"], mb["sampling_logprobs"],
+                                                                 mb["completion_mask"], args)
             loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                       mb["completion_mask"], args, num_sequences, num_tokens, mb["is_weights"])
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
             if loss.requires_grad:  # False only when every completion is masked (all truncated)
                 loss.backward()
-            mask = mb["completion_mask"].float()
-            metrics.update(loss=loss.detach(), entropy=(entropy * mask).sum() / mask.sum().clamp(min=1), **mb["gap"])
+            metrics.update(loss=loss.detach(), entropy=masked_mean(entropy, mb["completion_mask"]), **mb["gap"])
             step_metrics.append(metrics)
             del logprobs, entropy, loss
-        memory.log_memory(args.output_dir, model, optimizer,  # memory.json, once, at the first full step
-                          frozen={"reference model": None if ref_model is model else ref_model, "reward model": [r["model"] for r in rewards if "model" in r]})
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
+        memory.log_memory(args.output_dir, model, optimizer, frozen=frozen)  # memory.json, once, at the first full step
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
         scheduler.step()
 
-        # ---- log (means over the --logging_steps window), evaluate and save
+        # 6. log (means over the --logging_steps window), evaluate and save
         metrics = tracking.mean_metrics(step_metrics)
         metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
-        logger.update({**tracking.mean_metrics(rollout_metrics), **metrics, **sync_metrics, "grad_norm": grad_norm},
+        logger.update({**tracking.mean_metrics(metrics_per_micro), **metrics, **sync_metrics, "grad_norm": grad_norm},
                       num_tokens=rollout_tokens)  # prompt + completion tokens trained on in this step
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
-            if args.log_completions:
-                group, texts, per_source, reward, extra, advantages = samples[-1]
-                tracking.log_completions(args, step + 1, [raw_prompts[i] for i in group], texts, {
-                    **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
-                    "advantage": advantages, **extra})  # extra: the reward functions' log_extra columns
+            log_completions(args, step + 1, samples[-1], batches[-1]["advantages"], raw_prompts, reward_names)
         if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(model, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   checkpoints.training_state(step + 1, optimizer, scheduler))
+                                        checkpoints.training_state(step + 1, optimizer, scheduler))
     train_seconds = time.time() - start
 
     # ---- final save, then the final evaluation: an evaluation that fails never costs the trained model
@@ -622,11 +565,18 @@ def main():
         logger.log_eval(args.max_steps, eval_metrics)
     logger.close()
     truncated_counts["completions_truncated"] = round(parallel.all_reduce(float(truncated_counts["completions_truncated"]), "sum"))
-    summary = {"train_seconds": train_seconds,
-               "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
-               **(tracking.mean_metrics(rollout_metrics) if args.max_steps > start_step else {}), **eval_metrics, **truncated_counts}
-    if truncated_counts["completions_truncated"]:
-        print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+    summary = {"train_seconds": train_seconds, "seconds_per_step": train_seconds / max(args.max_steps - start_step, 1),
+               **(tracking.mean_metrics(metrics_per_micro) if args.max_steps > start_step else {}), **eval_metrics,
+               **truncated_counts}
+    finish(model, tokenizer, args, summary, sampler, train_seconds)
+
+
+def finish(model, tokenizer, args, summary, sampler, train_seconds):
+    """The end of a run: the truncation count, the embedded world's test gold score, summary.json
+    (then the output folder's lock goes), and the sampler stopped last."""
+    script = common.script_name()
+    if summary["completions_truncated"]:
+        print(f"{script}: {summary['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
     if args.dataset == common.EMBEDDED:
         ev = common.gold_eval(model, tokenizer, args)
@@ -635,7 +585,7 @@ def main():
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
     # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
-    vllm_rollouts.shutdown(llm)
+    rollouts.stop(sampler)
     print(f"{script}: {train_seconds:.0f} s of training; {checkpoints.saved_where(args)}")
 
 

@@ -1,13 +1,14 @@
 """ppo.py: classical RLHF with PPO and four models (Stiennon et al. 2020; Ouyang et al. 2022),
-with dual-clip PPO (Ye et al. 2020) for stability on large negative advantages.
+with dual-clip PPO (Ye et al. 2020) for stability on large negative advantages. Recipes, LoRA,
+offloading and evidence: docs/ppo.md.
 
 The four models:
     pi_theta  the actor (trained), from the SFT policy (--model);
     pi_ref    the frozen reference, the same SFT policy;
-    V_phi     the critic (trained), initialised from the reward model, as in Huang et al. 2024,
-              "The N+ implementation details of RLHF with PPO"; from the policy with --reward_fn;
-    R_psi     the frozen reward model (--reward_model, trained by reward.py), or a verifier
-              function (--reward_fn file.py:function) in its place.
+    V_phi     the critic (trained), initialised from the reward model (Huang et al. 2024, "The N+
+              implementation details of RLHF with PPO"); from the policy with --reward_fn;
+    R_psi     the frozen reward model (--reward_model, from reward.py), or reward functions
+              (--reward_fn) in its place.
 
 One step (= one rollout batch):
     1. rollout    sample y ~ pi_theta(.|x), truncated at its first EOS;
@@ -19,50 +20,21 @@ One step (= one rollout batch):
                   value loss, weighted by --vf_coef.
 
 Departures from the papers and from TRL's (removed) PPOTrainer:
-- The score is centred: R_psi(x, y) - reward_mean, with reward_mean stored by reward.py in the
-  reward model's config (the mean score on chosen responses); the critic, initialised from the
-  same reward model, gets a head bias of -reward_mean, so it starts centred the same way.
-- A completion without EOS gets the fixed score -missing_eos_penalty (as in Huang et al. 2024;
-  TRL instead subtracts the penalty from the model's score). The reward model's score of a
-  truncated text is meaningless: it was trained on texts that end with EOS.
-- Dropout is off in every forward pass (its probability is set to zero, and the actor and critic
-  stay in training mode, so --gradient_checkpointing works), so log-probs at rollout and at the
-  first update match exactly: ratio == 1.
+- The score is centred: R_psi(x, y) - reward_mean (reward.py stores the mean score on chosen
+  responses); the critic's head gets a bias of -reward_mean, so it starts centred the same way.
+- A completion without EOS gets the fixed score -missing_eos_penalty (Huang et al. 2024; TRL
+  subtracts the penalty from the model's score): a truncated text's score is meaningless.
+- Dropout is off in every forward pass, so log-probs at rollout and at the first update match
+  exactly: ratio == 1.
 - Policy and critic share one optimizer and one gradient-norm clip (as TRL's wrapper does).
-- The policy and value losses are token means over the whole minibatch: every micro-batch of
-  it on every rank (`minibatch_tokens`), as one process with the whole minibatch computes them;
-  TRL averages per micro-batch. So N ranks x b prompts train exactly like 1 rank x N*b when the
-  minibatch is the whole rollout (--num_mini_batches 1; with more, each rank shuffles its own
-  rollout into minibatches), and the samples themselves match too (sampling.generate's seed).
-- The reward model must share the policy's tokenizer (true for reward.py's output): the critic,
-  initialised from it, reads the rollout's token ids. The reward model itself scores the decoded
-  completion rendered as reward.py rendered its training pairs (sampling.score_texts), so it
-  reads a chat template's end of turn as it was trained to, whichever stop token ended the sample.
-- --offload_frozen keeps pi_ref and R_psi on the CPU and moves each to the GPU only for its
-  forward pass: it saves their weights' GPU memory (two of the four models) for two host<->device
-  copies of each per step (about 2 * weight_bytes / PCIe bandwidth, e.g. ~0.25 s per step for two
-  1.5B bf16 models at 25 GB/s). On a CPU-only machine it changes nothing.
-- --use_peft (LoRA; --load_in_4bit for QLoRA): each trained model is a frozen base with adapters,
-  and each frozen model is one of those bases with its adapters switched off, so PPO holds two
-  bases, not four models. pi_ref is the actor's base. V_phi gets its own adapters and a trained
-  copy of the score head (centred by -reward_mean, as without peft) on the reward model's base,
-  and R_psi is that base with the adapters and the copy off (its original head, uncentred): the
-  critic must start from the reward model (above), whose weights differ from the policy's, so
-  it cannot share the actor's base, but it can share R_psi's. With
-  --reward_fn the critic's base is a second copy of the policy (--model). With a quantised base,
-  pi_ref and R_psi are the 4- or 8-bit versions of the SFT policy and the reward model.
-- --use_vllm samples the rollout with a vLLM engine (vllm_rollouts.py, as grpo.py does). pi_old
-  is still the trainer's own forward pass (ratio == 1 at the first update, as above); the gap
-  between the engine's log-probs and it is logged (`sampling/*`), not corrected: TRL's PPO has no
-  vLLM sampling, and so no importance-sampling correction to follow (grpo.py has TRL's).
-
-Run:
-    python reward.py && python ppo.py               # embedded world: runs/sft + runs/reward -> runs/ppo
-    python ppo.py --reward_fn gold                  # the embedded gold judge as a verifier
-    python ppo.py --eval_dataset embedded --eval_steps 5 --eval_reward_fn gold   # the gold score of greedy test completions every 5 steps
-    python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_fn my_rewards.py:score
-    torchrun --nproc_per_node 2 ppo.py ...          # each rank samples and scores its shard of the prompts
-    .venv-vllm/bin/python ppo.py --use_vllm         # sample with vLLM (make vllm-env; docs/vllm.md)
+- The policy and value losses are token means over the whole minibatch, every micro-batch on
+  every rank (`minibatch_tokens`); TRL averages per micro-batch.
+- The reward model shares the policy's tokenizer (the critic reads the rollout's token ids); it
+  scores the decoded completion rendered as reward.py rendered its training pairs.
+- With --use_peft, pi_ref is the actor's base and R_psi the critic's, adapters off: two bases,
+  not four models (docs/ppo.md).
+- When another engine samples (--use_vllm), the gap between its log-probs and pi_old is logged
+  (`sampling/*`), not corrected: TRL's PPO has no such sampler to follow.
 """
 
 import dataclasses
@@ -77,6 +49,7 @@ from rlhf import data
 from rlhf import lora
 from rlhf import memory
 from rlhf import parallel
+from rlhf import rollouts
 from rlhf import sampling
 from rlhf import tracking
 from rlhf import vllm_rollouts
@@ -90,14 +63,14 @@ EMBEDDED_DEFAULTS = {"learning_rate": 2e-5, "max_completion_length": 32, "batch_
 class Args(SamplingArgs):
     # model and data
     reward_model: str = field(default="runs/reward", metadata={"help": "Folder or Hub id of the reward model (reward.py's output); ignored with --reward_fn."})
-    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, file.py:function (or 'gold'), used instead of the reward model, called by keyword as TRL calls them (docs/usage.md)."})
-    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1): the score is the weighted sum over the functions that do not return None."})
-    eval_reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions, named as for --reward_fn, that score the --eval_dataset completions but are never trained on (eval_rewards/<name>/mean; e.g. gold beside the reward model: Gao et al. 2022's gold score)."})
+    reward_fn: str = field(default="", metadata={"help": "Comma-separated reward functions (gold, file.py:function, ...) used instead of the reward model (TRL's contract: docs/usage.md)."})
+    reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1)."})
+    eval_reward_fn: str = field(default="", metadata={"help": "Reward functions that score the --eval_dataset completions but are never trained on (e.g. gold beside the reward model)."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset (a prompt column; other columns go to --reward_fn)."})
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     # generation
-    max_completion_length: int = field(default=256, metadata={"help": "Tokens sampled per completion, stop token included (embedded world: 32)."})
-    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL's default); log-probs and the KL are computed at the same temperature."})
+    max_completion_length: int = field(default=256, metadata={"help": "Tokens sampled per completion, stop token included."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (TRL's default); log-probs and the KL use the same."})
     missing_eos_penalty: float = field(default=1.0, metadata={"help": "A completion with no EOS gets the score -missing_eos_penalty."})
     # algorithm
     kl_coef: float = field(default=0.1, metadata={"help": "Per-token KL penalty in the reward: r_t -= kl_coef * (log pi - log pi_ref)."})
@@ -105,18 +78,44 @@ class Args(SamplingArgs):
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
     cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip epsilon."})
-    dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip: the surrogate is bounded below by c * A where A < 0 (must be > 1; 0 disables)."})
+    dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip: the surrogate is bounded below by c * A where A < 0 (c > 1; 0 disables)."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip: new values stay within this of the rollout's."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     num_ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
-    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch (per process) = batch_size * gradient_accumulation_steps * num_mini_batches."})
+    num_mini_batches: int = field(default=2, metadata={"help": "Minibatches (optimizer steps) per pass; rollout batch = batch_size * gradient_accumulation_steps * num_mini_batches."})
     # optimisation
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic (embedded world: 2e-5)."})
-    batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch (generation and forward passes; embedded world: 64)."})
-    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per minibatch (embedded world: 1)."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic."})
+    batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch (generation and forward passes)."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per minibatch."})
     # memory
     offload_frozen: bool = field(default=False, metadata={"help": "Keep the reference and reward model on the CPU between their forward passes."})
+
+
+def validate(args):
+    """The checks main() needs before anything loads."""
+    if args.dual_clip_c and args.dual_clip_c <= 1:
+        common.fail(f"--dual_clip_c must be > 1 (or 0 to disable), got {args.dual_clip_c}.")
+    for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
+        if getattr(args, name) < 1:
+            common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    if args.offload_frozen and args.use_peft:
+        common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
+                    "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
+    if args.use_vllm:
+        vllm_rollouts.check_args(args)
+    return args
+
+
+def print_memory_plan(args):
+    """--estimate_memory: what PPO holds (actor, frozen reference, critic, reward model or a function)."""
+    shared_rm = args.use_peft and not args.reward_fn  # R_psi is the critic's base (docstring)
+    memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
+                      reward_models=[] if args.reward_fn or shared_rm else [args.reward_model],
+                      reward_note="the critic's base with its adapters off (--use_peft)" if shared_rm else "--reward_fn only",
+                      train_sequences=args.batch_size, generation_sequences=args.batch_size,
+                      offload=args.offload_frozen, **dict(zip(["prompt_length", "completion_length"],
+                                                              memory.data_lengths(args, "rl", args.max_completion_length))))
 
 
 # ============================================================================ the algorithm
@@ -334,61 +333,16 @@ def evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokeni
             **{f"eval_rewards/{name}/mean": float(held_out[:, k].nanmean()) for k, name in enumerate(eval_fns)}}
 
 
-# ============================================================================ main
-def main():
-    script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
-    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
-    rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    if args.estimate_memory:  # what PPO holds: actor, frozen reference, critic, reward model (or a function)
-        shared_rm = args.use_peft and not args.reward_fn  # R_psi is the critic's base (docstring)
-        memory.print_plan(args, reference=True, critic_from=args.model if args.reward_fn else args.reward_model,
-                          reward_models=[] if args.reward_fn or shared_rm else [args.reward_model],
-                          reward_note="the critic's base with its adapters off (--use_peft)" if shared_rm else "--reward_fn only",
-                          train_sequences=args.batch_size, generation_sequences=args.batch_size,
-                          offload=args.offload_frozen, **dict(zip(["prompt_length", "completion_length"],
-                                                                  memory.data_lengths(args, "rl", args.max_completion_length))))
-    if args.dual_clip_c and args.dual_clip_c <= 1:
-        common.fail(f"--dual_clip_c must be > 1 (or 0 to disable), got {args.dual_clip_c}.")
-    for name in ("num_ppo_epochs", "num_mini_batches", "max_completion_length"):
-        if getattr(args, name) < 1:
-            common.fail(f"--{name} must be at least 1, got {getattr(args, name)}.")
-    if args.offload_frozen and args.use_peft:
-        common.fail("--offload_frozen moves frozen copies to the CPU; with --use_peft the reference and reward model "
-                    "are the trained models' own bases, so there is nothing to offload: drop one of the two flags.")
-    if args.use_vllm:
-        vllm_rollouts.check_args(args)
-    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
-    common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
-    device = common.device()
-    offload_device = torch.device("cpu") if args.offload_frozen else device
-
-    # ---- data: prompts, plus any other columns for --reward_fn
-    ds = data.training_data(args, "rl")
-    data.require_columns(ds, ["prompt"], args.dataset, "PPO needs a 'prompt' column.")
-    data.check_text(ds, ["prompt"], args.dataset)
-    raw_prompts = ds["prompt"]
-    columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
-    eval_ds = data.eval_data(args)
-    if eval_ds is not None:
-        data.require_columns(eval_ds, ["prompt"], args.eval_dataset, "PPO evaluates on prompt-only data.")
-        data.check_text(eval_ds, ["prompt"], args.eval_dataset)
-    data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
-    reward_fns = common.load_reward_fns(args.reward_fn, args.reward_weights) if args.reward_fn else None
-    eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
-    # what the reward functions read is in the data they score, checked now rather than at an evaluation
-    fns = reward_fns[0] if reward_fns else []
-    common.check_reward_data(fns, ds, "--dataset", args.dataset)
-    if eval_ds is not None:
-        common.check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, list(columns))
-        common.check_reward_data(eval_fns.values(), eval_ds, "--eval_dataset", args.eval_dataset)
-
-    # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
+# ============================================================================ one rollout's pieces
+def load_models(args, device, offload_device):
+    """The four models (docstring): the actor, its frozen reference, the critic (centred like the
+    score) and the reward model with its tokenizer and training mean (None, None, 0 with
+    --reward_fn). With --use_peft, R_psi is the critic's base with its adapters off."""
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     policy = common.load_model(args.model, args, adapters=True)
     ref_policy = on_device(common.reference_of(policy, args), offload_device, args.offload_frozen)
-    critic_source = args.model if args.reward_fn else args.reward_model
     # the critic: a scalar head on a transformer, from the reward model (or the policy with --reward_fn)
-    critic = load_critic(critic_source, args)
+    critic = load_critic(args.model if args.reward_fn else args.reward_model, args)
     reward_model, rm_tokenizer, reward_mean = None, None, 0.0
     if not args.reward_fn:
         if args.use_peft:  # R_psi is the critic's base with its adapters and trained head off
@@ -407,84 +361,135 @@ def main():
     policy.train(), critic.train()
     # --parallel ddp | fsdp2 under torchrun: both trained models (the frozen ones stay whole on every rank)
     policy, critic = parallel.distribute(policy, args), parallel.distribute(critic, args)
+    return tokenizer, policy, ref_policy, critic, reward_model, rm_tokenizer, reward_mean
+
+
+def sample_rollout(sampler, policy, prompt_ids, prompt_mask, prompts, args, step):
+    """The rollout batch, sampled with the policy's current weights in micro-batches of --batch_size
+    prompts (each seeded by its first row), as one Rollout right-padded to its longest completion;
+    and the time the sampler took to load the weights, as a metric."""
+    b = args.batch_size
+    sync_metrics = rollouts.load_weights(sampler, policy)
+    parts = [rollouts.sample(sampler, policy, prompt_ids[s:s + b], prompt_mask[s:s + b], prompts[s:s + b], 1, (step, s))
+             for s in range(0, len(prompts), b)]
+    rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
+    return rollouts.concat(parts, sampler.tokenizer.pad_token_id), sync_metrics
+
+
+@torch.no_grad()
+def rollout_logprobs_and_values(policy, critic, ref_policy, batch, args, device, offload_device):
+    """log pi_old and V_phi (the same call as the update's, so the first update sees ratio == 1)
+    and log pi_ref of the rollout's tokens, in micro-batches: (N, C) each. pi_ref visits the
+    device only for its forward (--offload_frozen)."""
+    old_logprobs, values, ref_logprobs = [], [], []
+    ref_policy = on_device(ref_policy, device, args.offload_frozen)
+    for s in range(0, batch["completion_ids"].shape[0], args.batch_size):
+        mb = {k: v[s:s + args.batch_size] for k, v in batch.items()}
+        lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
+        old_logprobs.append(lp)
+        values.append(v)
+        with lora.adapters_off(ref_policy):
+            ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"],
+                                                             mb["completion_ids"], mb["completion_mask"], args.temperature))
+    on_device(ref_policy, offload_device, args.offload_frozen)
+    return torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)
+
+
+@torch.no_grad()
+def score_rollout(reward_fns, reward_model, rm_tokenizer, prompts, rollout, columns, args, step, logs, device, offload_device):
+    """R_psi(x, y) of the rollout's completions (N,) on `device` (`score`); the reward model
+    visits the device only for it (--offload_frozen), with its adapters off (--use_peft)."""
+    on_device(reward_model, device, args.offload_frozen)
+    with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
+        scores = score(reward_fns, reward_model, rm_tokenizer, prompts, rollout.texts, rollout.completion_id_lists(),
+                       columns, args, step, logs).to(device)
+    on_device(reward_model, offload_device, args.offload_frozen)
+    return scores
+
+
+def sampler_gap(old_logprobs, sampling_logprobs, completion_mask):
+    """How far another engine's log-probs (--use_vllm) are from pi_old's on its samples (`sampling/*`,
+    logged, not corrected); nothing for the trainer's own samples."""
+    return {} if sampling_logprobs is None else vllm_rollouts.gap_metrics(old_logprobs, sampling_logprobs, completion_mask)
+
+
+def rollout_metrics(scores, kl, non_score_reward, values, returns, mask, truncated, reward_logs):
+    """TRL's PPO metrics of a rollout: the score, the KL penalty, the critic's fit, the lengths,
+    and what the reward functions log_metric."""
+    lengths = mask.sum(1)
+    return {"reward": scores.mean(), "reward_std": scores.double().std(),
+            "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+            "kl": kl.sum(1).mean(), "explained_variance": explained_variance(values, returns, mask),
+            "value": masked_mean(values, mask), "completions/mean_length": lengths.mean(),
+            "completions/clipped_ratio": truncated.float().mean(),
+            **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()}}
+
+
+# ============================================================================ main
+def main():
+    script = common.script_name()  # a fork (my_ppo.py) prints, and shows its progress, under its own name
+    args = validate(common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS))
+    rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.estimate_memory:
+        print_memory_plan(args)
+    parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
+    common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
+    device = common.device()
+    offload_device = torch.device("cpu") if args.offload_frozen else device
+
+    # ---- data: prompts, plus any other columns for --reward_fn
+    ds, eval_ds = data.prompt_data(args, "PPO")
+    raw_prompts = ds["prompt"]
+    columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
+    data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
+    reward_fns = common.load_reward_fns(args.reward_fn, args.reward_weights) if args.reward_fn else None
+    eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
+    common.check_reward_datasets(reward_fns[0] if reward_fns else [], eval_fns.values(), ds, eval_ds, args)
+
+    # ---- models: actor, reference, critic, reward (--use_peft: two bases with adapters, see the docstring)
+    tokenizer, policy, ref_policy, critic, reward_model, rm_tokenizer, reward_mean = load_models(args, device, offload_device)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
     truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
     print(f"{script}: {len(prompts)} prompts from {data.dataset_name(args.dataset)}, rollout batch {rollout_batch}, "
           f"reward {'fn ' + args.reward_fn if args.reward_fn else 'model ' + args.reward_model} "
-          f"(centred by {reward_mean:.3f}), critic from {critic_source}, device {device}")
+          f"(centred by {reward_mean:.3f}), critic from {args.model if args.reward_fn else args.reward_model}, device {device}")
 
-    # ---- optimizer: one AdamW over actor and critic
-    both = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    optimizer = common.make_optimizer(both, args)
+    # ---- optimizer: one AdamW over actor and critic; resume; the sampler (rlhf/rollouts.py)
+    optimizer = common.make_optimizer(torch.nn.ModuleDict({"policy": policy, "critic": critic}), args)
     updates_per_step = args.num_ppo_epochs * args.num_mini_batches
-    # --use_vllm: this rank's engine, in this process, holding the policy's weights (vllm_rollouts.py)
-    llm = vllm_rollouts.start_engine(policy, tokenizer, args, args.max_prompt_length + args.max_completion_length) if args.use_vllm else None
+    sampler = rollouts.start(policy, tokenizer, args, args.max_completion_length)
     scheduler = common.make_scheduler(optimizer, dataclasses.replace(
         args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
     # --resume: policy weights, critic, optimizer (both models), scheduler and RNG; 0 if not resuming
     start_step = checkpoints.maybe_resume(args, policy, optimizer, scheduler, critic=critic)
     logger = tracking.MetricsLogger(args, start_step)
+    frozen = {"reference model": None if ref_policy is policy else ref_policy,  # for memory.json
+              "reward model": None if reward_model is critic else reward_model}
 
     # ---- loop
     pbar = tracking.progress(args, start_step, desc=script)
     final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
         t0 = time.time()
-        # 1. rollout: sample, truncate at the first EOS (sampling.generate), in micro-batches
-        # this rank's prompts of the global rollout batch; the step is the position in the data
-        idx = parallel.shard(data.batch_indices(len(prompts), rollout_batch * parallel.world_size(), args.seed, step))
-        prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length)
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # (N, P)
-        chunks = []
-        sync_metrics = {"vllm/sync_seconds": vllm_rollouts.sync_weights(llm, policy)} if llm is not None else {}
-        for s in range(0, rollout_batch, args.batch_size):
-            p_ids, p_mask, knobs = prompt_ids[s:s + args.batch_size], prompt_mask[s:s + args.batch_size], common.sampling_kwargs(args, step, s)
-            if llm is None:
-                chunks.append(sampling.generate(policy, tokenizer, p_ids, p_mask, args.max_completion_length,
-                                                temperature=args.temperature, **knobs))
-            else:  # --use_vllm: the same contract, plus the engine's log-probs of its samples
-                chunks.append(vllm_rollouts.generate(llm, policy, tokenizer, p_ids, p_mask, args.max_completion_length,
-                                                     temperature=args.temperature, **knobs))
-        vllm_rollouts.sleep(llm, args)  # --vllm_enable_sleep_mode: the engine frees its memory for the update
-        width = max(c[0].shape[1] for c in chunks)
-        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                 "completion_ids": torch.cat([pad_right(c[0], width, tokenizer.pad_token_id) for c in chunks]),
-                 "completion_mask": torch.cat([pad_right(c[1], width) for c in chunks])}  # (N, C)
-        truncated = torch.cat([c[2] for c in chunks])  # (N,)
-        truncated_counts["completions_truncated"] += int(truncated.sum())  # no EOS within --max_completion_length
+        # 1. rollout: this rank's prompts of the global batch, sampled, truncated at the first stop token
+        idx = data.rank_batch(len(prompts), rollout_batch, args.seed, step)
+        prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length, device)
+        rollout, sync_metrics = sample_rollout(sampler, policy, prompt_ids, prompt_mask, [raw_prompts[i] for i in idx], args, step)
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
+                 "completion_mask": rollout.completion_mask}  # (N, P), (N, C)
+        truncated_counts["completions_truncated"] += int(rollout.truncated.sum())  # no EOS within the length
         mask = batch["completion_mask"].float()
 
         # 2. score and per-token rewards, all under no_grad
         with torch.no_grad():
-            old_logprobs, values, ref_logprobs = [], [], []
-            ref_policy = on_device(ref_policy, device, args.offload_frozen)
-            for s in range(0, rollout_batch, args.batch_size):
-                mb = {k: v[s:s + args.batch_size] for k, v in batch.items()}
-                lp, _, v = policy_and_values(policy, critic, mb, args.temperature)
-                old_logprobs.append(lp)
-                values.append(v)
-                with lora.adapters_off(ref_policy):
-                    ref_logprobs.append(sampling.completion_logprobs(ref_policy, mb["prompt_ids"], mb["prompt_mask"],
-                                                                     mb["completion_ids"], mb["completion_mask"], args.temperature))
-            ref_policy = on_device(ref_policy, offload_device, args.offload_frozen)
-            old_logprobs, values, ref_logprobs = torch.cat(old_logprobs), torch.cat(values), torch.cat(ref_logprobs)  # (N, C)
-            # --use_vllm: the trainer's log-probs (pi_old, which the ratio and the KL use) against the engine's;
-            # logged, not corrected (TRL's PPOTrainer samples with no vLLM and so has no correction to follow)
-            gap = vllm_rollouts.gap_metrics(old_logprobs, torch.cat([pad_right(c[3], width) for c in chunks]),
-                                            batch["completion_mask"]) if llm is not None else {}
-            # a verifier on the text (with the dataset's other columns), or R_psi centred by the mean
-            # score on chosen responses
-            texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
-            reward_model = on_device(reward_model, device, args.offload_frozen)
+            old_logprobs, values, ref_logprobs = rollout_logprobs_and_values(policy, critic, ref_policy, batch, args,
+                                                                             device, offload_device)  # (N, C) each
             reward_logs = {"metrics": {}, "extra": {}}  # what a reward function logs (log_metric, log_extra)
-            with lora.adapters_off(reward_model):  # --use_peft: R_psi is the critic's base
-                scores = score(reward_fns, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], texts,
-                               sampling.completion_id_lists(batch["completion_ids"], batch["completion_mask"]),
-                               {k: [v[i] for i in idx] for k, v in columns.items()}, args, step,
-                               reward_logs).to(device) - reward_mean  # (N,)
-            reward_model = on_device(reward_model, offload_device, args.offload_frozen)
-            scores = torch.where(truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
+            scores = score_rollout(reward_fns, reward_model, rm_tokenizer, [raw_prompts[i] for i in idx], rollout,
+                                   {k: [v[i] for i in idx] for k, v in columns.items()}, args, step, reward_logs,
+                                   device, offload_device) - reward_mean  # (N,): the centred score
+            scores = torch.where(rollout.truncated, -args.missing_eos_penalty, scores)  # no EOS: a fixed penalty score
             common.check_finite("reward", scores, step + 1)
             rewards, kl, non_score_reward = per_token_rewards(scores, old_logprobs, ref_logprobs, mask, args.kl_coef)
             if args.whiten_rewards:
@@ -504,7 +509,7 @@ def main():
             for start in range(0, rollout_batch, mb_size):
                 micro_idx = [perm[m:m + args.batch_size] for m in range(start, start + mb_size, args.batch_size)]
                 num_tokens = minibatch_tokens([batch["completion_mask"][i] for i in micro_idx])
-                for mb_idx in micro_idx:  # not `idx`: --log_completions reads the rollout's prompts below
+                for mb_idx in micro_idx:
                     mb = slice_batch(batch, mb_idx)
                     mb_mask = mb["completion_mask"].float()
                     logprobs, entropy, mb_values = policy_and_values(policy, critic, mb, args.temperature)
@@ -517,29 +522,18 @@ def main():
                     loss.backward()
                     stats.append({**pg_stats, **vf_stats, "loss": pg_stats["pg_loss"] + args.vf_coef * vf_stats["vf_loss"],
                                   "entropy": masked_mean(entropy.detach(), mb_mask)})
-                memory.log_memory(args.output_dir, policy, optimizer, critic,  # memory.json, once, at the first full step
-                                  frozen={"reference model": None if ref_policy is policy else ref_policy,
-                                          "reward model": None if reward_model is critic else reward_model})
-                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
+                memory.log_memory(args.output_dir, policy, optimizer, critic, frozen=frozen)  # memory.json, once
+                grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
                 scheduler.step()
 
-        # ---- log (means over the --logging_steps window), evaluate and save
-        lengths = mask.sum(1)
-        logger.update({
-            "reward": scores.mean(), "reward_std": scores.double().std(),
-            "non_score_reward": non_score_reward.sum(1).mean(), "rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
-            "kl": kl.sum(1).mean(), **tracking.mean_metrics(stats),
-            "explained_variance": explained_variance(values, returns, mask), "value": masked_mean(values, mask),
-            "completions/mean_length": lengths.mean(), "completions/clipped_ratio": truncated.float().mean(),
-            "grad_norm": grad_norm, "step_time": time.time() - t0, **gap, **sync_metrics,
-            **{name: sum(v) / len(v) for name, v in reward_logs["metrics"].items()}},  # the reward function's log_metric
-            num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))  # the rollout's tokens
+        # 5. log (means over the --logging_steps window), evaluate and save
+        logger.update({**rollout_metrics(scores, kl, non_score_reward, values, returns, mask, rollout.truncated, reward_logs),
+                       **tracking.mean_metrics(stats), "grad_norm": grad_norm, "step_time": time.time() - t0,
+                       **sampler_gap(old_logprobs, rollout.sampling_logprobs, batch["completion_mask"]), **sync_metrics}, num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)
-            if args.log_completions:
-                texts = sampling.decode_completions(tokenizer, batch["completion_ids"], batch["completion_mask"], truncated)
-                tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], texts,
-                                       {"score": scores, "kl": kl.sum(1), **reward_logs["extra"]})
+            tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], rollout.texts,
+                                     {"score": scores, "kl": kl.sum(1), **reward_logs["extra"]})
         if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(policy, reward_model, rm_tokenizer, reward_fns, reward_mean, tokenizer, eval_ds, eval_fns,
                                     args, step + 1)
@@ -547,7 +541,7 @@ def main():
             final.update(eval_metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save_checkpoint(policy, tokenizer, args, f"{args.output_dir}/checkpoint-{step + 1}",
-                                   checkpoints.training_state(step + 1, optimizer, scheduler, critic=critic))
+                                        checkpoints.training_state(step + 1, optimizer, scheduler, critic=critic))
         final.update(final_reward=parallel.all_reduce(float(scores.mean())), final_kl=parallel.all_reduce(float(kl.sum(1).mean())))
         del batch, advantages, returns, rewards
 
@@ -559,15 +553,22 @@ def main():
         logger.log_eval(args.max_steps, eval_metrics)
         final.update(eval_metrics)
     logger.close()
-    if truncated_counts["completions_truncated"]:
-        print(f"{script}: {truncated_counts['completions_truncated']} sampled completions reached --max_completion_length "
+    finish(policy, ref_policy, critic, reward_model, optimizer, tokenizer, args, {**final, **truncated_counts},
+           sampler, device, offload_device)
+
+
+def finish(policy, ref_policy, critic, reward_model, optimizer, tokenizer, args, summary, sampler, device, offload_device):
+    """The end of a run: the truncation count, the memory held, the embedded world's test gold
+    score and KL, summary.json (then the output folder's lock goes), and the sampler stopped last."""
+    script = common.script_name()
+    if summary["completions_truncated"]:
+        print(f"{script}: {summary['completions_truncated']} sampled completions reached --max_completion_length "
               f"{args.max_completion_length} without EOS")
-    summary = {**final, **truncated_counts,
-               "memory_bytes": {"policy": memory.tensor_bytes(policy),
-                                "ref_policy": 0 if ref_policy is policy else memory.tensor_bytes(ref_policy),
-                                "critic": memory.tensor_bytes(critic),
-                                "reward_model": memory.tensor_bytes(reward_model) if reward_model not in (None, critic) else 0,
-                                "optimizer": memory.optimizer_state_bytes(optimizer), "peak": memory.peak_memory_bytes()}}
+    summary["memory_bytes"] = {"policy": memory.tensor_bytes(policy),
+                               "ref_policy": 0 if ref_policy is policy else memory.tensor_bytes(ref_policy),
+                               "critic": memory.tensor_bytes(critic),
+                               "reward_model": memory.tensor_bytes(reward_model) if reward_model not in (None, critic) else 0,
+                               "optimizer": memory.optimizer_state_bytes(optimizer), "peak": memory.peak_memory_bytes()}
     if args.dataset == common.EMBEDDED:
         summary.update(test_kl(policy, ref_policy, tokenizer, args, device, offload_device))
         summary.update(common.gold_eval(policy, tokenizer, args))
@@ -576,7 +577,7 @@ def main():
     checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
     # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
     # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
-    vllm_rollouts.shutdown(llm)
+    rollouts.stop(sampler)
     print(f"{script}: {checkpoints.saved_where(args)}")
 
 

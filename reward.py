@@ -45,17 +45,11 @@ from rlhf import tracking
 from worlds import world
 from common import TrainArgs
 
-# what the embedded world's tiny model needs instead of the pretrained defaults (common.apply_defaults)
-# learning_rate 3e-4: at 1e-3 seed 0's reward model reached test accuracy 0.728 (its pairs' label ceiling
-# 0.777), at 3e-4 0.772; seed 1: 0.812 and 0.817 (ceiling 0.819). max_steps 1200: a fact copied wrongly
-# (the world's contrast pairs) is learnt only after about 1000 steps; at 400 the model scores it nearly
-# like the right fact (CHANGELOG.md, 2026-12-05). expand_layers 1: on the policy's two layers seeds 1 and 2
-# learnt wrong objects but not wrong actions (test accuracy 0.784 / 0.812); with a third layer on top,
-# seed 2 learnt both (0.894) and seed 1 both in one run of two (0.902; `make demo`'s: 0.814; CHANGELOG.md,
-# sixth session). warmup_steps 100 (was 10): with the new layer, seeds 0 / 1 / 2 reach 0.902 / 0.916 / 0.894
-# and each sees both copy errors (0.89-0.94), where at 10 seed 1 gave 0.814, blind to wrong actions (0.56);
-# 300 gives the same (CHANGELOG.md, seventh session; on the world's slips before the eighth session's).
-# eval_steps 300: each evaluation scores all 1600 test pairs.
+# what the embedded world's tiny model needs instead of the pretrained defaults (common.apply_defaults);
+# docs/reward.md gives the measurements behind each value. learning_rate 3e-4 and max_steps 1200: a fact
+# copied wrongly (the world's contrast pairs) is learnt only after about 1000 steps; expand_layers 1: a
+# layer above the policy's two reads at the last token which fact a clause copies; warmup_steps 100 keeps
+# that new layer from missing the wrong actions; eval_steps 300: each evaluation scores all 1600 test pairs.
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 100, "batch_size": 32,
                      "max_steps": 1200, "expand_layers": 1, "eval_steps": 300}
 
@@ -80,8 +74,7 @@ class Args(TrainArgs):
 
 def expand_layers(model, n):
     """Block expansion (Wu et al. 2024, LLaMA Pro): n new decoder layers on top of the trunk, with
-    the architecture's initialisation (LLaMA Pro copies the layer below; CHANGELOG.md has one
-    try of that here) except their two output projections (attention's o_proj, the MLP's
+    the architecture's initialisation (LLaMA Pro copies the layer below) except their two output projections (attention's o_proj, the MLP's
     down_proj), which start at zero. Each new layer then adds nothing to the residual
     stream, so the expanded model computes exactly what the policy's trunk did, and training
     grows it from there. Why a reward model may need one: read at the last token, it must see
@@ -248,7 +241,7 @@ def main():
             (loss / args.gradient_accumulation_steps).backward()
             rows.append({"loss": loss.detach(), **m, "mean_reward": torch.cat([chosen_rewards, rejected_rewards]).mean().detach()})
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
         scheduler.step()
 
         # ---- log (means over the --logging_steps window) and save

@@ -263,7 +263,7 @@ def main():
             loss.backward()
             losses.append(loss.detach())
         memory.log_memory(args.output_dir, model, optimizer)  # memory.json, once, at the first full step
-        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # stops on a NaN/inf gradient
+        grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
         scheduler.step()
 
         # ---- log (means over the --logging_steps window), evaluate and save

@@ -172,3 +172,8 @@ def ifeval_split(split, seed=0):
     if (IFEVAL, seed) not in _WORLD_CACHE:
         _WORLD_CACHE[IFEVAL, seed] = world_ifeval.build_world(seed)
     return _WORLD_CACHE[IFEVAL, seed][split]
+
+
+def passed(name):
+    """Whether --name (or --name=..., --name-with-dashes) is on the command line."""
+    return any(a.startswith("--") and a[2:].split("=")[0].replace("-", "_") == name for a in sys.argv[1:])

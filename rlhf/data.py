@@ -12,6 +12,7 @@ import os
 import torch
 
 from rlhf import basics
+from rlhf import parallel
 
 
 def load_data(spec, split="train"):
@@ -149,6 +150,19 @@ def check_jsonl(path):
 
 def dataset_name(spec):
     return "the embedded world" if spec == basics.EMBEDDED else spec
+
+
+def prompt_data(args, algorithm):
+    """--dataset and --eval_dataset (None when not given) as prompt-only data, TRL's format: a
+    `prompt` column of texts or conversations; every other column goes to the reward functions."""
+    ds = training_data(args, "rl")
+    require_columns(ds, ["prompt"], args.dataset, f"{algorithm} trains on prompt-only data.")
+    check_text(ds, ["prompt"], args.dataset)
+    eval_ds = eval_data(args)
+    if eval_ds is not None:
+        require_columns(eval_ds, ["prompt"], args.eval_dataset, f"{algorithm} evaluates on prompt-only data.")
+        check_text(eval_ds, ["prompt"], args.eval_dataset)
+    return ds, eval_ds
 
 
 def require_columns(ds, columns, spec, hint=""):
@@ -325,6 +339,12 @@ def batch_indices(n, batch_size, seed, step):
     return out
 
 
+def rank_batch(n, batch_size, seed, position):
+    """This rank's examples of global micro-batch `position` (`batch_size` per rank): the same
+    global batch on any number of ranks, each rank its contiguous slice (parallel.shard)."""
+    return parallel.shard(batch_indices(n, batch_size * parallel.world_size(), seed, position))
+
+
 def count_truncated(tokenizer, texts, max_length, stop_ids=None):
     """How many texts training will cut at max_length tokens: prompts as encode_prompts encodes
     them (`stop_ids` None), or completions as encode_completions (render_turns segments: as
@@ -362,12 +382,13 @@ def truncation_counts(tokenizer, prompts, responses, args, name, stop_ids=None):
     return counts
 
 
-def encode_prompts(tokenizer, texts, max_length=None):
-    """Left-padded prompt ids (B, P) and mask; too-long prompts keep their end."""
+def encode_prompts(tokenizer, texts, max_length=None, device=None):
+    """Left-padded prompt ids (B, P) and mask (on `device`, if given); too-long prompts keep their end."""
     seqs = [tokenizer(t, add_special_tokens=not _has_bos(tokenizer, t))["input_ids"] for t in texts]
     if max_length:
         seqs = [s[-max_length:] for s in seqs]
-    return _pad(seqs, tokenizer.pad_token_id, left=True)
+    ids, mask = _pad(seqs, tokenizer.pad_token_id, left=True)
+    return (ids, mask) if device is None else (ids.to(device), mask.to(device))
 
 
 def encode_completions(tokenizer, texts, max_length=None, stop_ids=None):

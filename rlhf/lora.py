@@ -1,7 +1,7 @@
 """LoRA and QLoRA through peft (Hu et al. 2021; Dettmers et al. 2023): adapters on a frozen (and
 optionally 4- or 8-bit) base, the reference as that same base with the adapters off (no second
 copy in memory), and the merged model a final save writes beside the adapters. Loading a model,
-an adapter folder's base included, is common.load_model's job (common.py stands above this file).
+an adapter folder's base included, is models.load_model's job (models.py stands above this file).
 """
 
 import contextlib
@@ -34,7 +34,7 @@ def adapter_base(name):
 
 
 def merge_adapter_folder(model, name, args, adapters=False):
-    """`model` (the base of adapter folder `name`, loaded in --dtype by common.load_model; adapters on
+    """`model` (the base of adapter folder `name`, loaded in --dtype by models.load_model; adapters on
     adapters are merged one stage after the other) with those adapters merged in; with `adapters`
     and --use_peft, fresh adapters on top to train. The result is named after `name`, so adapters
     trained on it record `name` as their base: exactly what they were trained on."""

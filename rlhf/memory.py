@@ -13,7 +13,8 @@ import sys
 import torch
 
 from rlhf import checkpoints
-import common
+from rlhf import basics
+from rlhf import models
 from rlhf import data
 from rlhf import lora
 from rlhf import parallel
@@ -69,7 +70,7 @@ def model_config(args, name=None):
     name = args.model if name is None else name
     if name == "":  # sft.py's from-scratch model
         return world.build_model(world.build_tokenizer(), args.hidden_size, args.num_layers).config
-    common.check_model_source(name)
+    models.check_model_source(name)
     return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
 
 
@@ -155,7 +156,7 @@ def sr_bucket_numel(numels):
     largest, numel = 0, 0
     for i, n in enumerate(numels):
         numel += n
-        if numel >= common.SR_BUCKET_NUMEL or i == len(numels) - 1:
+        if numel >= basics.SR_BUCKET_NUMEL or i == len(numels) - 1:
             largest, numel = max(largest, numel), 0
     return largest
 
@@ -176,7 +177,7 @@ def activation_plan(config, tokens, nbytes, checkpointing, adapters_per_layer=0,
     (nbytes * h) is kept, and one layer's activations are rebuilt at a time in backward.
     `adapters_per_layer`: LoRA's bytes per token and layer (peft_plan), on top of the base's
     (counted in full, as if the frozen base layers saved what trained ones do: an upper bound).
-    This assumes what every training script does: dropout zeroed (common.disable_dropout) and the
+    This assumes what every training script does: dropout zeroed (models.disable_dropout) and the
     trained models in training mode, since HF layers checkpoint only while training (in eval
     mode --gradient_checkpointing would keep the full activations).
     """
@@ -222,7 +223,7 @@ def vllm_engine_plan(args, config, numels, buffers, sequences, prompt_length, co
     its memory (its weights, in --vllm_dtype, plus as much KV cache as fits) and holds it all run
     long; elsewhere the plan shows the least the engine needs: its weights and one rollout's KV
     cache (2 x layers x kv width per token), and says what a GPU would reserve."""
-    nb = common.torch_dtype(args.vllm_dtype or args.dtype).itemsize
+    nb = basics.torch_dtype(args.vllm_dtype or args.dtype).itemsize
     least = (sum(numels) + buffers) * nb + 2 * config.num_hidden_layers * _kv_width(config) * nb * sequences * (
         prompt_length + completion_length)
     sleep = "; freed during each update (--vllm_enable_sleep_mode)" if args.vllm_enable_sleep_mode else ""
@@ -263,7 +264,7 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     logits) and the rollout (generation) or the optimizer step's fp32 bucket, which never
     coexist. Not counted: the CUDA context (~0.5 GB) and allocator fragmentation.
     """
-    dtype = common.torch_dtype(args.dtype)
+    dtype = basics.torch_dtype(args.dtype)
     nb = dtype.itemsize
     config = model_config(args)
     if extra_layers:  # the trained model is deeper than the one it loads
@@ -275,7 +276,7 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     weights = (sum(numels) + buffers) * nb
     P, C, gen_len = prompt_length, completion_length, generation_length or completion_length
     ckpt = args.gradient_checkpointing
-    optim = common.default_optim(args) if args.optim == "auto" else args.optim  # "auto": an Args built in code
+    optim = models.default_optim(args) if args.optim == "auto" else args.optim  # "auto": an Args built in code
     opt_note = {"adamw_8bit": "8-bit AdamW: ~2 bytes/param", "adamw": "AdamW: 8 bytes/param (fp32 moments)"}[optim]
     adapters = 0  # LoRA activation bytes per token and layer
     if args.use_peft:  # a frozen (maybe 4/8-bit) base, and only the adapters (and a score head) train
@@ -328,7 +329,7 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     logits = logits_plan(config, train_sequences * C) if head == "lm" else 0  # a score head has no vocabulary
     prompts = train_sequences if ckpt or not train_prompts else train_prompts  # each prompt's forward
     tokens, kv_tokens = prompts * P + train_sequences * C, (prompts * P if prompts < train_sequences else 0) + train_sequences * (P + C)
-    flash = common.attn_implementation(args.attn_implementation) == "flash_attention_2"
+    flash = models.attn_implementation(args.attn_implementation) == "flash_attention_2"
     width = None if flash else config.num_attention_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     train = activation_plan(config, tokens, nb, ckpt, adapters, kv_tokens, width) + logits
     if critic_from is not None:
@@ -365,7 +366,7 @@ def data_lengths(args, split, completions="data"):
     limit_c = args.max_completion_length if completions == "data" else completions
     if not any(os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return args.max_prompt_length, limit_c
-    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = models.load_tokenizer(args.model, args.trust_remote_code)
     ds = data.training_data(args, split)
     if split == "prefs":
         triples = data.preference_triples(ds, args.dataset)
@@ -417,11 +418,11 @@ def print_plan(args, **holds):
             note = ("--dtype auto planned in bf16, what it loads on a CUDA GPU; this machine has none, and a run "
                     "here would load fp32 (about twice the weights): pass --dtype float32 to plan that.\n")
     here = not torch.cuda.is_available() and args.dtype == "float32"  # --dtype float32 on a CPU: plan a run here
-    if not here and not common.passed("optim") and args.parallel != "fsdp2" and args.optim != "adamw_8bit":
+    if not here and not basics.passed("optim") and args.parallel != "fsdp2" and args.optim != "adamw_8bit":
         args = copy.copy(args)  # --optim auto on a machine without CUDA: plan the GPU's 8-bit AdamW too
         args.optim = "adamw_8bit"
         note += "--optim auto planned 8-bit AdamW, what it takes on a CUDA GPU; pass --optim adamw to plan torch's.\n"
-    dtype = common.torch_dtype(args.dtype)
+    dtype = basics.torch_dtype(args.dtype)
     script = os.path.basename(sys.argv[0])
     title = (f"{script} memory plan for {args.model or 'the from-scratch model'} ({dtype}, --optim {args.optim}, "
              f"--batch_size {args.batch_size}{', --gradient_checkpointing' if args.gradient_checkpointing else ''}; "
@@ -472,7 +473,7 @@ def log_memory(output_dir, model, optimizer, critic=None, frozen=None):
 
     def on_device(ts):  # device memory only (not models offloaded to the CPU); FSDP2: this rank's shard
         ts = [t.to_local() if hasattr(t, "to_local") else t for t in ts if torch.is_tensor(t)]
-        return tensor_bytes([t for t in ts if t.device.type == common.device().type])
+        return tensor_bytes([t for t in ts if t.device.type == basics.device().type])
 
     def weights(m, prefix):  # under --use_peft: the frozen base (with its quantisation constants) and the adapters
         if not lora.is_peft(m):

@@ -223,6 +223,16 @@ def check_reward_data(fns, ds, flag, dataset, trained_columns=()):
                  + str(e.code).removeprefix("error: "))
 
 
+
+def check_reward_datasets(fns, eval_fns, ds, eval_ds, args):
+    """check_reward_data before step 1 on the training data, and on the --eval_dataset (if any) for
+    the training rewards (with the training data's columns) and the --eval_reward_fn ones."""
+    check_reward_data(fns, ds, "--dataset", args.dataset)
+    if eval_ds is not None:
+        check_reward_data(fns, eval_ds, "--eval_dataset", args.eval_dataset, [c for c in ds.column_names if c != "prompt"])
+        check_reward_data(eval_fns, eval_ds, "--eval_dataset", args.eval_dataset)
+
+
 def load_eval_reward_fns(spec, training_names=()):
     """--eval_reward_fn 'a,b,...' -> {name: function}: rewards the run does not train on, which score
     the --eval_dataset completions (eval_rewards/<name>/mean); `gold` is named gold, as grpo.py names

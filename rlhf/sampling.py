@@ -41,7 +41,7 @@ def stop_token_ids(model_or_config, tokenizer):
 def logit_transform(config):
     """What the architecture's forward does to the LM head's output before returning `logits`,
     as a function of fp32 logits (None: nothing). completion_logprobs applies it inside its
-    chunked head, so training sees the distribution `generate` samples from. common.load_model
+    chunked head, so training sees the distribution `generate` samples from. models.load_model
     checks it on every causal LM it loads (`check_logits`) and refuses one that does more."""
     cap = getattr(config, "final_logit_softcapping", None)  # Gemma-2/3: cap * tanh(logits / cap)
     scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
@@ -172,7 +172,14 @@ def completion_states(model, prompt_ids, prompt_mask, completion_ids, completion
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=1.0, with_entropy=False, chunk_tokens=None):
-    """Per-token log pi(y_t | x, y_<t) of the completion tokens: (B, C), 0 where masked.
+    """Per-token log pi(y_t | x, y_<t) of the completion tokens: (B, C), 0 where masked. With one
+    completion per prompt it computes exactly this plain PyTorch (tests/test_sampling.py), without
+    ever holding the (B, C, V) fp32 logits:
+
+        ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+        logits = model(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        logits = logits[:, prompt_ids.shape[1] - 1:-1].float() / temperature    # what predicts each y_t
+        logprobs = logits.log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
 
     Shared prompts: when there are k > 1 times as many completions as prompts, completion row i
     continues prompt row i // k, and each prompt goes through the model once (`completion_states`).

@@ -96,6 +96,18 @@ def load_tools(spec):
     return tools
 
 
+
+def load_tools_for_prompts(spec, prompts, dataset):
+    """--tools for these dataset prompts: [] without the flag; the tools otherwise, whose turns
+    the chat template renders, so the prompts must be conversations."""
+    if not spec:
+        return []
+    if not all(data.is_conversational(p) for p in prompts):
+        basics.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(dataset)}: "
+                    "tool turns are rendered by the chat template.")
+    return load_tools(spec)
+
+
 # ============================================================================ 2. parsing
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -139,8 +139,9 @@ def log_completions(args, step, prompts, completions, rewards):
     """--log_completions: a table of the first --num_completions_to_print (prompt, completion,
     rewards) on the console; every row appended to <output_dir>/completions.jsonl. `rewards` is
     {name: one value per completion} (a reward: NaN where no reward function applied, written as
-    null; or a reward function's log_extra column, as it gave it); prompts are the dataset's (text or messages)."""
-    if not parallel.is_main():
+    null; or a reward function's log_extra column, as it gave it); prompts are the dataset's (text or messages).
+    Nothing without --log_completions."""
+    if not getattr(args, "log_completions", False) or not parallel.is_main():
         return
 
     def value(v, i):

@@ -19,7 +19,7 @@ fp32 equal to 1e-5 (tests/test_vllm.py), in bf16 not, which is what grpo.py's im
 correction is for.
 
 Seeds: every completion is its own request with its own seed, derived from the rollout's seed
-(common.sampling_kwargs) and the row's index in the global batch, so a resumed run draws the same
+(rollouts.sampling_kwargs) and the row's index in the global batch, so a resumed run draws the same
 requests again, and rank r's requests are those a single process gives to rank r's rows.
 The samples are not those of sampling.generate (another random stream). A resumed run samples
 exactly what the uninterrupted one did (tests/test_vllm.py, FSDP2 on 2 gloo ranks). Whether N

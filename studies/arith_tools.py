@@ -38,7 +38,7 @@ from rlhf import checkpoints  # noqa: E402
 import common  # noqa: E402
 from rlhf import data  # noqa: E402
 import eval as evaluation  # noqa: E402
-from rlhf import policies  # noqa: E402
+from rlhf.evaluation import policies  # noqa: E402
 from rlhf import sampling  # noqa: E402
 from rlhf import tools  # noqa: E402
 from worlds import world_arith  # noqa: E402

@@ -3,7 +3,7 @@
     JUDGE_MODEL=runs/sft python grpo.py --model runs/sft --reward_fn studies/llm_judge.py:llm_judge
 
 The judge is eval.py's `--judge llm:` judge: a causal LM asked which of two responses is better,
-in both orders (the mean cancels a position bias; rlhf/judges.py's llm_judge). A reward needs one score per
+in both orders (the mean cancels a position bias; rlhf/evaluation/judges.py's llm_judge). A reward needs one score per
 completion, so the judge compares each completion with a fixed baseline: the judge model's own
 greedy response to the same prompt (made once per prompt and kept). The reward is
 P(the completion is better than the baseline), in [0, 1].
@@ -41,7 +41,7 @@ def _judge():
 def llm_judge(prompts, completions, **kwargs):
     """P(completion better than the judge model's greedy response), one float per completion."""
     from rlhf import data
-    from rlhf import judges
+    from rlhf.evaluation import judges
 
     j = _judge()
     model, tokenizer, baselines = j["model"], j["tokenizer"], j["baselines"]

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TARGETS = {
     "grpo.py": ["nanstd", "group_advantages", "batch_advantages", "batch_normalisers", "importance_sampling_weights",
-                "grpo_loss"],
+                "masked_mean", "grpo_loss"],
     "ppo.py": ["masked_mean", "minibatch_tokens", "masked_whiten", "per_token_rewards", "gae", "policy_loss", "value_loss",
                "explained_variance"],
     "dpo.py": ["dpo_loss", "chosen_nll", "pair_logps"],

@@ -13,8 +13,8 @@ import torch
 from conftest import run_main
 
 import eval as ev
-from rlhf import judges
-from rlhf import policies
+from rlhf.evaluation import judges
+from rlhf.evaluation import policies
 from worlds import scratch
 from worlds import world
 
@@ -462,7 +462,7 @@ def test_group_stats_per_level_with_both_cis():
 def test_elo_under_complete_separation_is_reported_unbounded():
     """20 wins of 20: Bradley-Terry's Elo is +inf; the report says '>= x (unbounded)' with a note,
     not a finite score with a zero-width interval ("1645 (1645, 1645)")."""
-    from rlhf import reports
+    from rlhf.evaluation import reports
 
     wins = ev.win_matrix({(0, 1): 0.0}, 20, 2)  # policy 1 won all 20 games
     assert ev.unbounded_elo(wins).tolist() == [0, 1]

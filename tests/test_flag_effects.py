@@ -12,7 +12,7 @@ from conftest import run_main
 import common
 import eval as eval_script
 import sft
-from rlhf import data, sampling
+from rlhf import data, rollouts, sampling
 
 
 def test_dataset_split_picks_the_split_of_a_folder(tmp_path):
@@ -25,14 +25,14 @@ def test_dataset_split_picks_the_split_of_a_folder(tmp_path):
 
 
 def test_seed_sets_the_data_order_and_the_samples(tiny_qwen):
-    """--seed: the batches' order and the rollout noise (common.sampling_kwargs) both follow it."""
+    """--seed: the batches' order and the rollout noise (rollouts.sampling_kwargs) both follow it."""
     assert data.batch_indices(100, 8, seed=0, step=0) != data.batch_indices(100, 8, seed=1, step=0)
     tok = common.load_tokenizer(tiny_qwen)
     model = common.load_model(tiny_qwen, sft.Args(model=tiny_qwen, attn_implementation="sdpa"))
     ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:"] * 4)
 
     def sample(seed):
-        knobs = common.sampling_kwargs(SimpleNamespace(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seed=seed), 0)
+        knobs = rollouts.sampling_kwargs(SimpleNamespace(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seed=seed), 0)
         return sampling.generate(model, tok, ids, mask, 8, **knobs)[0]
 
     assert torch.equal(sample(0), sample(0)) and not torch.equal(sample(0), sample(1))
@@ -40,7 +40,7 @@ def test_seed_sets_the_data_order_and_the_samples(tiny_qwen):
 
 def test_top_p_and_repetition_penalty_reach_generate(tiny_qwen):
     """--top_p near 0 keeps only the most probable token (greedy); --repetition_penalty, passed
-    the way the scripts pass it (common.sampling_kwargs), changes the samples."""
+    the way the scripts pass it (rollouts.sampling_kwargs), changes the samples."""
     tok = common.load_tokenizer(tiny_qwen)
     model = common.load_model(tiny_qwen, sft.Args(model=tiny_qwen, attn_implementation="sdpa"))
     ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
@@ -49,7 +49,7 @@ def test_top_p_and_repetition_penalty_reach_generate(tiny_qwen):
     def sample(do_sample=True, **kw):
         knobs = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": 0, **kw}
         return sampling.generate(model, tok, ids, mask, 10, do_sample=do_sample,
-                                 **common.sampling_kwargs(SimpleNamespace(**knobs), 0))[0]
+                                 **rollouts.sampling_kwargs(SimpleNamespace(**knobs), 0))[0]
 
     assert torch.equal(sample(top_p=1e-6), greedy) and not torch.equal(sample(), greedy)
     assert torch.equal(sample(False), greedy) and not torch.equal(sample(False, repetition_penalty=1e6), greedy)
@@ -196,7 +196,7 @@ def test_online_dpo_samples_with_max_new_tokens_and_temperature(tmp_path, tiny_q
 def test_eval_generation_flags_change_the_responses(tmp_path, tiny_qwen):
     """eval.py --max_completion_length, --do_sample, --temperature, --top_p, --top_k: the
     responses' length bound, sampled against greedy, and each knob at its extreme gives greedy back."""
-    from rlhf import policies
+    from rlhf.evaluation import policies
 
     prompts = [f"POST: alice bought the bike {i} . TL;DR:" for i in range(4)]
 

@@ -4,12 +4,22 @@ a loop. The floors are the README's file table, so the README stays true as file
 import ast
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = ["ground", "plumbing", "kit", "scripts"]  # bottom to top
 
 
-PACKAGES = ["rlhf", "worlds"]  # the plumbing's package and the embedded worlds' folder
+PACKAGES = ["rlhf", "rlhf/evaluation", "worlds"]  # the plumbing's package (eval.py's own part) and the worlds
+
+
+def forks():
+    """The root's .py files that git does not track: a user's copies of a script (my_grpo.py) are
+    theirs, and the project's rules are not checked on them. Outside a git checkout: none."""
+    tracked = subprocess.run(["git", "ls-files", "--", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode:
+        return set()
+    return {f for f in os.listdir(ROOT) if f.endswith(".py")} - set(tracked.stdout.split())
 
 
 def readme_floors():
@@ -21,9 +31,9 @@ def readme_floors():
 
 def project_modules():
     """{dotted module name: file} for the root's modules and those of the package folders."""
-    files = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
+    files = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py") and f not in forks()}
     for pkg in PACKAGES:
-        files.update({f"{pkg}.{f[:-3]}": os.path.join(ROOT, pkg, f) for f in os.listdir(os.path.join(ROOT, pkg))
+        files.update({f"{pkg.replace('/', '.')}.{f[:-3]}": os.path.join(ROOT, pkg, f) for f in os.listdir(os.path.join(ROOT, pkg))
                       if f.endswith(".py") and f != "__init__.py"})
     return files
 
@@ -49,7 +59,7 @@ def test_the_root_holds_the_scripts_and_common_only():
     """The design card's shape: at the root the scripts a user runs and common.py; plumbing in rlhf/,
     the worlds in worlds/ (README, "Files")."""
     scripts = [m for m, floor in readme_floors().items() if floor == FLOORS.index("scripts")]
-    root = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    root = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f not in forks())
     assert root == sorted(scripts + ["common"]), root
 
 
@@ -91,6 +101,28 @@ def test_no_shared_module_imports_common():
     graph = project_imports()
     below = [m for m, floor in readme_floors().items() if floor < FLOORS.index("kit")]
     assert not [m for m in below if "common" in graph.get(m, ())]
+
+
+def test_the_folders_show_the_layers():
+    """Nothing in rlhf/ or worlds/ imports a module of the root (common.py or a script): the
+    folders, not only the README's table, hold the plumbing below the scripts."""
+    graph = project_imports()
+    up = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith(("rlhf.", "worlds.")) for d in deps if "." not in d]
+    assert not up, up
+
+
+def test_a_fork_at_the_root_is_not_the_projects(tmp_path):
+    """A copy of a script beside it, untracked, is left out of the checks above; the project's
+    own files are all tracked."""
+    fork = os.path.join(ROOT, "my_fork_of_grpo_for_this_test.py")
+    assert "grpo.py" not in forks()
+    try:
+        with open(fork, "w") as f:
+            f.write(open(os.path.join(ROOT, "grpo.py")).read())
+        assert os.path.basename(fork) in forks() or not os.path.isdir(os.path.join(ROOT, ".git"))
+        assert "my_fork_of_grpo_for_this_test" not in project_modules()
+    finally:
+        os.remove(fork)
 
 
 def test_a_module_in_a_package_is_seen_in_both_import_forms(tmp_path, monkeypatch):

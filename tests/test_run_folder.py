@@ -18,7 +18,7 @@ from rlhf import checkpoints
 import common
 from rlhf import data
 import dpo
-from rlhf import policies
+from rlhf.evaluation import policies
 import sft
 
 

@@ -7,7 +7,7 @@ import shlex
 import pytest
 from conftest import run_script
 
-from rlhf import policies
+from rlhf.evaluation import policies
 
 FAKE_SCRIPT = """import json, os, sys
 args = sys.argv[1:]

@@ -19,7 +19,7 @@ from rlhf import checkpoints
 import common
 from rlhf import data
 import grpo
-from rlhf import sampling
+from rlhf import rollouts, sampling
 from rlhf import tracking
 from worlds import world
 
@@ -44,10 +44,10 @@ def test_knobs_reach_generate():
     ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike . TL;DR:", "POST: bob lost it . TL;DR:"])
     greedy, gm, _ = sampling.generate(model, tok, ids, mask, 12, do_sample=False)
     args = SimpleNamespace(top_p=1.0, top_k=1, min_p=0.0, repetition_penalty=1.0, seed=0)
-    top1, _, _ = sampling.generate(model, tok, ids, mask, 12, **common.sampling_kwargs(args, step=0))  # top_k 1 == greedy
+    top1, _, _ = sampling.generate(model, tok, ids, mask, 12, **rollouts.sampling_kwargs(args, step=0))  # top_k 1 == greedy
     assert torch.equal(top1, greedy)
     args = SimpleNamespace(top_p=1.0, top_k=0, min_p=0.999, repetition_penalty=1.0, seed=0)
-    top1, _, _ = sampling.generate(model, tok, ids, mask, 12, **common.sampling_kwargs(args, step=0))  # min_p ~1 == greedy
+    top1, _, _ = sampling.generate(model, tok, ids, mask, 12, **rollouts.sampling_kwargs(args, step=0))  # min_p ~1 == greedy
     assert torch.equal(top1, greedy)
     # a huge repetition penalty: no token of the prompt or of the completion comes twice (before EOS)
     out, om, _ = sampling.generate(model, tok, ids, mask, 12, do_sample=False, repetition_penalty=1e6)

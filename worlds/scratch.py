@@ -108,7 +108,7 @@ def build_model(tokenizer, hidden_size=192, num_layers=2, seed=0, texts=None):
         num_hidden_layers=num_layers, num_attention_heads=heads,
         # every head has its own keys and values (Qwen2.5-1.5B shares 2 among 12): with shared
         # KV heads the SFT policy copies facts wrongly far more often, and a reward model can't
-        # see such copy errors (`probe_pairs`); CHANGELOG.md gives the measurements.
+        # see such copy errors (`probe_pairs`); docs/worlds.md gives the measurements.
         num_key_value_heads=heads,
         max_position_embeddings=MAX_LENGTH, tie_word_embeddings=True, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

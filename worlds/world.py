@@ -235,9 +235,8 @@ def slip(rng, facts):
     fact of the post (`miscopy`), the copy error a from-scratch policy makes. Where every fact of
     the post has the same action (or object), no other fact can give one, so the slip copies the
     other field; `miscopy` would take a word the post does not hold: an invention, not a copy
-    error, and one the annotators' pairs already cover (an inventive annotator adds a whole fact).
-    Until the eighth session those 4.5% of slips were inventions, and reward models scored them
-    0.00-0.34, preferring the invented word (CHANGELOG.md)."""
+    error, and one the annotators' pairs already cover (an inventive annotator adds a whole fact):
+    trained on such inventions, reward models scored them 0.00-0.34, preferring the invented word."""
     i = rng.randrange(len(facts))
     field = 2 if rng.random() < 0.5 else 1
     if all(f[field] == facts[i][field] for f in facts):  # no other fact has another one to copy
@@ -260,7 +259,7 @@ def contrast_pair(rng, post, facts):
     FactCC): the annotators' pairs never hold a copy error (an inventive annotator invents a whole
     fact), and a reward model trained on those alone scores one like the right fact. The
     omissions matter too: without them, or with the annotators' pairs at half the data instead of
-    a quarter, a reward model learns the copy errors far more slowly (CHANGELOG.md, 2026-12-05)."""
+    a quarter, a reward model learns the copy errors far more slowly (docs/worlds.md)."""
     careful = reference_summary(facts)
     return label_pair(rng, post, careful, omit(rng, facts) if rng.random() < 1 / 3 else slip(rng, facts))
 

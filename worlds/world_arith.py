@@ -24,8 +24,8 @@ It plays the part of a math dataset with worked solutions and a final-answer che
   `arith_lenient` (1 if the last number in the completion equals `answer`, else 0).
 
 The splits `sft` / `rl` / `test` hold disjoint problems. The test split is the same for every
-seed, and no seed's training splits hold one of its problems (before 2026-12-04 each seed drew its
-own test split, so GRPO seeds 1 and 2 trained on 97 and 94 of seed 0's 400 test problems). The
+seed, and no seed's training splits hold one of its problems (a test split drawn per seed would
+share problems with another seed's training splits). The
 `prefs` split (`dpo.py --dataset embedded:arith`) is an offline preference dataset from the
 demonstrator: on the SFT split's problems, two fresh demonstrations of a problem, one right and one
 wrong by the verifier (chosen, rejected), 2000 pairs; mostly slips against the right scratchpad,

@@ -14,7 +14,8 @@ import os
 import re
 
 from rlhf import checkpoints
-import common
+from rlhf import basics
+from rlhf import models
 from rlhf import data
 from rlhf import lora
 from rlhf import real_model
@@ -59,7 +60,7 @@ def parse_methods(specs):
             continue
         name, _, patterns = spec.partition("=")
         if not name or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
-            common.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
+            basics.fail(f"{spec!r}: a method's name (before '=') must be letters, digits and . _ + - (e.g. grpo=runs/seed*/grpo).")
         paths = []
         for pattern in patterns.split(","):
             matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -67,7 +68,7 @@ def parse_methods(specs):
             # log files or other folders beside them
             found = [m for m in matches if not glob.has_magic(pattern) or is_model_folder(m)]
             if not found:
-                common.fail(f"{spec!r}: {pattern!r} matches no model folder (a folder with config.json)"
+                basics.fail(f"{spec!r}: {pattern!r} matches no model folder (a folder with config.json)"
                             + (f"; it matches only {', '.join(matches[:3])}{' ...' if len(matches) > 3 else ''}" if matches
                                else "") + "; check the path (and quote the argument, so the shell leaves the pattern "
                             "to eval.py).")
@@ -80,7 +81,7 @@ def parse_methods(specs):
     names = [name for name, _ in methods]
     for name in names:
         if names.count(name) > 1 or name == REFERENCE:
-            common.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
+            basics.fail(f"two methods are named {name!r} (or it is {REFERENCE!r}, the dataset's references): "
                         "rename one with NAME=PATH.")
     return methods
 
@@ -172,15 +173,15 @@ def cached_generations(path, prompts, args):
 def generate_responses(path, name, raw_prompts, args):
     """The policy's responses to every prompt (from the cache when this run, or one on more
     prompts, was done)."""
-    tokenizer = common.load_tokenizer(path, args.trust_remote_code)
+    tokenizer = models.load_tokenizer(path, args.trust_remote_code)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, path, args.dataset)
     found = cached_generations(path, prompts, args)
     if found:
         print(f"eval: {name}: {len(prompts)} responses from the cache {found[0]}")
         return found[1:]
-    model = common.freeze(common.load_model(path, args))
-    common.set_seed(args.seed)  # every policy samples from the same seed
+    model = basics.freeze(models.load_model(path, args))
+    basics.set_seed(args.seed)  # every policy samples from the same seed
     settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.use_vllm:  # an engine for this policy (vllm_rollouts.py); every prompt its own request, seeded by --seed
         longest = data.encode_prompts(tokenizer, prompts)[0].shape[1]

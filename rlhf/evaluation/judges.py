@@ -1,4 +1,4 @@
-"""rlhf/judges.py: eval.py's pairwise judges, each a function (prompts, firsts, seconds) ->
+"""rlhf/evaluation/judges.py: eval.py's pairwise judges, each a function (prompts, firsts, seconds) ->
 P(the response shown first is better), and the position swap that debiases them:
 
 - the LLM judge (--judge llm:MODEL): a local causal LM asked JUDGE_TEMPLATE (or --judge_template),
@@ -16,7 +16,7 @@ import re
 import numpy as np
 import torch
 
-import common
+from rlhf import basics
 from rlhf import data
 from rlhf import sampling
 
@@ -56,12 +56,12 @@ def load_judge_template(path):
     if not path:
         return JUDGE_TEMPLATE
     if not os.path.isfile(path):
-        common.fail(f"--judge_template {path}: no such file; pass a text file holding {{prompt}}, {{a}} and {{b}}.")
+        basics.fail(f"--judge_template {path}: no such file; pass a text file holding {{prompt}}, {{a}} and {{b}}.")
     with open(path) as f:
         template = f.read()
     missing = [k for k in ("{prompt}", "{a}", "{b}") if k not in template]
     if missing:
-        common.fail(f"--judge_template {path} lacks {', '.join(missing)}: the judge would not see "
+        basics.fail(f"--judge_template {path} lacks {', '.join(missing)}: the judge would not see "
                     f"{'the prompt' if missing == ['{prompt}'] else 'both responses'}; write them where they go.")
     return template
 
@@ -79,7 +79,7 @@ def prob_first_better(model, tokenizer, prompts, firsts, seconds, batch_size=16,
     """P("A") / (P("A") + P("B")) at the judge's next token, shown `firsts` as A: (n,)."""
     a_ids, b_ids = answer_token_ids(tokenizer, "A"), answer_token_ids(tokenizer, "B")
     if not a_ids or not b_ids:
-        common.fail("the --judge llm model's tokenizer has no single token for 'A' or 'B'; use a judge model "
+        basics.fail("the --judge llm model's tokenizer has no single token for 'A' or 'B'; use a judge model "
                     "whose vocabulary spells them (any instruction-tuned LM does).")
     texts = [judge_input(tokenizer, p, a, b, template) for p, a, b in zip(prompts, firsts, seconds)]
     probs = []
@@ -180,7 +180,7 @@ def http_first_better(model_name, args, template, prompts, firsts, seconds):
                 if 400 <= e.code < 500 and e.code not in (408, 429):  # a bad request, key or model: trying again won't help
                     raise JudgeUnreachable(f"{url} refused the request ({reason})") from None
             except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # timeout, refused, not JSON, no choices
-                reason = f"{type(e).__name__}: {common.brief(e, 120)}"
+                reason = f"{type(e).__name__}: {basics.brief(e, 120)}"
         raise JudgeUnreachable(f"{url} gave no answer in {1 + args.judge_max_retries} tries ({reason})")
 
     texts = [fill_template(template, p, a, b) for p, a, b in zip(prompts, firsts, seconds)]
