@@ -57,8 +57,12 @@ def load_judge_template(path):
         return JUDGE_TEMPLATE
     if not os.path.isfile(path):
         common.fail(f"--judge_template {path}: no such file; pass a text file holding {{prompt}}, {{a}} and {{b}}.")
-    with open(path) as f:
-        template = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except UnicodeDecodeError as e:
+        common.fail(f"--judge_template {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                    "save it as UTF-8.")
     missing = [k for k in ("{prompt}", "{a}", "{b}") if k not in template]
     if missing:
         common.fail(f"--judge_template {path} lacks {', '.join(missing)}: the judge would not see "

@@ -591,6 +591,9 @@ def test_judge_template_fills_once_and_is_checked(tmp_path, monkeypatch, capsys)
     (tmp_path / "bad.txt").write_text("Which is better, {a} or the other?")
     message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "bad.txt")], monkeypatch, capsys)
     assert "--judge_template" in message and "lacks {prompt}, {b}" in message
+    (tmp_path / "latin1.txt").write_bytes("Réponse {prompt} {a} {b}".encode("latin-1"))
+    message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "latin1.txt")], monkeypatch, capsys)
+    assert message.strip() == f"error: --judge_template {tmp_path / 'latin1.txt'} is not UTF-8 text (byte 1 is b'\\xe9'); save it as UTF-8."
 
 
 def test_pairwise_reward_model_judge_is_position_debiased(tiny_folders, tmp_path, monkeypatch, capsys):
