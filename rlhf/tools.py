@@ -75,7 +75,7 @@ def load_tools(spec):
         module_spec = importlib.util.spec_from_file_location(f"tool_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:  # the file is executed, as `python file.py` would: only pass files you trust
-            module_spec.loader.exec_module(module)
+            basics.exec_user_file(module_spec, module)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's file: name it and its error
             basics.fail(f"--tools {item!r}: importing {path} raised {type(e).__name__}: {str(e)[:300]}; fix the file "
                         "(it is executed when loaded) and run again.")
