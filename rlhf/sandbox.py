@@ -46,8 +46,8 @@ Two kinds of job:
   The parent parses it (ast) into the call f(...) and the expected value; the child receives the
   code and the calls only, never an expected value, runs the code as a module named `solution`
   (not `__main__`: a demo under `if __name__ == "__main__":` that reads input() does not run),
-  and returns what each call returned as plain data (None, bool, int, float, str, and lists, tuples and dicts of them; a value of any other
-  type, a subclass included, fails its test). The report is one length-prefixed Python literal,
+  and returns what each call returned as plain data (None, bool, int, float, str, and lists,
+  tuples and dicts of them; a value of any other type, a subclass included, fails its test). The report is one length-prefixed Python literal,
   which the parent parses with ast.literal_eval and checks type by type (anything else, a torn or
   a second frame included: every test fails), and the parent compares each value with the
   expected one it alone holds. So nothing the code does in its process (an always-true __eq__,
@@ -73,8 +73,8 @@ exceeds its time limit (more likely on a loaded machine) fails.
 
 The verifiers (`exec_tests`, `exec_tests_strict`) follow TRL's reward-function contract,
 fn(prompts=, completions=, **columns): completions are strings or conversations (the content of
-the last *assistant* message, a string or a list of text parts: a tool's reply is never code), the tests come from the dataset
-column `tests` (a list of tests such as ["assert f(2) == 7", "assert f(-1) == -2"], or one string,
+the last *assistant* message, a string or a list of text parts: a tool's reply is never code),
+the tests come from the dataset column `tests` (a list of tests such as ["assert f(2) == 7", "assert f(-1) == -2"], or one string,
 which counts as one test), and the code is extracted from the completion by `extract_code`. A row
 whose tests are empty, blank or not of TEST_FORM is refused with an error naming it, not scored.
 """
@@ -190,7 +190,7 @@ def main():
             top = None
             while os.path.dirname(path) != path:
                 path = os.path.dirname(path)
-                if not os.stat(path).st_mode & 0o001:
+                if not os.stat(path).st_mode & 0o001 and path != "/":  # no tmpfs over /: then check() tells
                     top = path
             return top
 
@@ -215,7 +215,7 @@ def main():
         folders = [p for p in sys.path if p and os.path.isdir(p)]
         folders = [p for p in folders if not any(q != p and under(p, q) for q in folders)]
         reveal = [(p, private_top(p), os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in folders
-                  if private_top(p) not in (None, "/") or any(under(p, s) for s in job["scratch"])]
+                  if private_top(p) or any(under(p, s) for s in job["scratch"])]
         for path in job["scratch"]:  # MS_NOSUID | MS_NODEV
             options = "size=%dm,nr_inodes=4096,mode=0700,uid=%d,gid=%d" % (job["scratch_mb"], job["uid"], job["uid"])
             need(libc.mount(b"tmpfs", path.encode(), b"tmpfs", 2 | 4, options.encode()) == 0, "mount tmpfs on " + path)

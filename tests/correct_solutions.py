@@ -7,7 +7,10 @@ CRLF line ends, prose before and after the code, content given as a list of part
 after the solution, big integers and deeply nested answers."""
 
 import math
+import os
+import shutil
 import sys
+import sysconfig
 
 SQUARE = ["assert f(2) == 4", "assert f(-3) == 9", "assert f(0) == 0"]
 WORDS = ["assert count_words('a b a') == {'a': 2, 'b': 1}", "assert count_words('') == {}"]
@@ -18,6 +21,24 @@ TOP2 = ["assert top_k([5, 1, 9, 3], 2) == [9, 5]", "assert top_k([1], 1) == [1]"
 MEAN = ["assert mean([1, 2, 3, 4]) == 2.5", "assert mean([7]) == 7"]
 DEPTH = 120  # nested deeper than the harness's encoding limit of 100
 NEST = [f"assert nest({DEPTH}) == {'[' * DEPTH + ']' * DEPTH}"]
+
+
+def interpreter_copy(folder):
+    """This interpreter again under `folder`: folder/bin/python3.x and its standard library
+    (hard links where the file system allows: nothing copied) -> the new executable."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    shutil.copytree(stdlib, os.path.join(folder, os.path.relpath(stdlib, sys.base_prefix)), copy_function=link,
+                    ignore=shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter", "turtledemo"))
+    os.makedirs(os.path.join(folder, "bin"))
+    executable = os.path.join(folder, "bin", os.path.basename(os.path.realpath(sys.executable)))
+    link(os.path.realpath(sys.executable), executable)
+    return executable
 
 
 def _big_factorial_test(n):

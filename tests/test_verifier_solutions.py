@@ -14,28 +14,10 @@ import tempfile
 import pytest
 
 from rlhf import sandbox
-from tests.correct_solutions import SOLUTIONS
+from tests.correct_solutions import SOLUTIONS, interpreter_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop needs root (sandbox.py docstring)")
-
-
-def interpreter_copy(folder):
-    """This interpreter again under `folder`: folder/bin/python3.x and its standard library
-    (hard links where the file system allows: nothing copied) -> the new executable."""
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    stdlib = sysconfig.get_paths()["stdlib"]
-    shutil.copytree(stdlib, os.path.join(folder, os.path.relpath(stdlib, sys.base_prefix)), copy_function=link,
-                    ignore=shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter", "turtledemo"))
-    os.makedirs(os.path.join(folder, "bin"))
-    executable = os.path.join(folder, "bin", os.path.basename(os.path.realpath(sys.executable)))
-    link(os.path.realpath(sys.executable), executable)
-    return executable
 
 
 def searchable(path):
