@@ -157,9 +157,13 @@ def _read_cache(file):
             raise ValueError("it does not hold lists of prompts, responses and truncated flags of one length")
         return out
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        os.replace(file, file + ".unreadable")
-        print(f"eval: the generation cache file {file} cannot be read ({str(e)[:120]}); it was moved to "
-              f"{file}.unreadable and these responses are generated again.")
+        try:
+            os.replace(file, file + ".unreadable")
+            aside = f"it was moved to {file}.unreadable"
+        except OSError as moving:
+            aside = f"it could not be moved aside ({moving.strerror})"
+        print(f"eval: the generation cache file {file} cannot be read ({str(e)[:120]}); {aside} and these responses "
+              "are generated again.")
         return None
 
 
