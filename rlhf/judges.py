@@ -196,9 +196,21 @@ def post_json(url, body, headers, timeout, max_bytes=MAX_REPLY_BYTES):
     import urllib.error
     import urllib.parse
 
+    import urllib.request
+
     parts = urllib.parse.urlsplit(url)
-    connection = (http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection)(
-        parts.hostname, parts.port, timeout=timeout)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    proxy = urllib.request.getproxies().get(parts.scheme)  # HTTP(S)_PROXY, as urllib honours them
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if parts.scheme == "https":  # a CONNECT tunnel: the proxy never sees the key
+            connection = kind(via.hostname, via.port or 80, timeout=timeout)
+            connection.set_tunnel(parts.hostname, parts.port)
+        else:  # plain HTTP through a proxy: the absolute URL in the request line
+            connection, target = http.client.HTTPConnection(via.hostname, via.port or 80, timeout=timeout), url
+    else:
+        connection = kind(parts.hostname, parts.port, timeout=timeout)
     expired = threading.Event()
     held = []  # the socket, kept: the connection lets go of it once the reply's headers are read
 
@@ -217,7 +229,7 @@ def post_json(url, body, headers, timeout, max_bytes=MAX_REPLY_BYTES):
         held.append(connection.sock)
         if expired.is_set():  # the deadline passed while connecting
             expire()
-        connection.request("POST", parts.path + (f"?{parts.query}" if parts.query else ""), body, headers)
+        connection.request("POST", target, body, headers)
         reply = connection.getresponse()
         if 300 <= reply.status < 400:
             raise JudgeUnreachable(f"{url} redirected the request to {common.brief(reply.getheader('Location', '?'), 120)}, "

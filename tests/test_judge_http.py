@@ -168,3 +168,17 @@ def test_a_reply_that_is_not_json_is_tried_again_then_one_sentence():
         assert len(seen) == 2
     finally:
         stop()
+
+
+def test_the_http_proxy_of_the_environment_is_used(monkeypatch):
+    """HTTP_PROXY is honoured (as urllib honoured it): the request goes to the proxy, with the
+    judge's absolute URL in the request line."""
+    proxy, seen, stop = serve(reply_with({"choices": [{"message": {"content": "B"}}]}))
+    monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0])
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        assert seen == [("http://judge.example/v1/chat/completions", "Bearer sekret")]
+    finally:
+        stop()
