@@ -47,10 +47,10 @@ Two kinds of job:
   code and the calls only, never an expected value, runs the code as a module named `solution`
   (not `__main__`: a demo under `if __name__ == "__main__":` that reads input() does not run),
   and returns what each call returned as plain data (None, bool, int, float, str, and lists,
-  tuples and dicts of them; a value of any other type, a subclass included, fails its test). The report is one length-prefixed Python literal,
-  which the parent parses with ast.literal_eval and checks type by type (anything else, a torn or
-  a second frame included: every test fails), and the parent compares each value with the
-  expected one it alone holds. So nothing the code does in its process (an always-true __eq__,
+  tuples and dicts of them; a value of any other type, a subclass included, fails its test). The
+  report is one length-prefixed Python literal, which the parent parses with ast.literal_eval and
+  checks type by type (anything else, a torn or a second frame included: every test fails), and
+  the parent compares each value with the expected one it alone holds. So nothing the code does in its process (an always-true __eq__,
   rebinding builtins, patching the harness, forging the report, walking the frames) makes a wrong
   value pass: to pass, the code must return the right values.
 An error in the code (syntax, exception, exit, crash, timeout, limit) fails the tests it did not
@@ -74,9 +74,10 @@ exceeds its time limit (more likely on a loaded machine) fails.
 The verifiers (`exec_tests`, `exec_tests_strict`) follow TRL's reward-function contract,
 fn(prompts=, completions=, **columns): completions are strings or conversations (the content of
 the last *assistant* message, a string or a list of text parts: a tool's reply is never code),
-the tests come from the dataset column `tests` (a list of tests such as ["assert f(2) == 7", "assert f(-1) == -2"], or one string,
-which counts as one test), and the code is extracted from the completion by `extract_code`. A row
-whose tests are empty, blank or not of TEST_FORM is refused with an error naming it, not scored.
+the tests come from the dataset column `tests` (a list of tests such as ["assert f(2) == 7",
+"assert f(-1) == -2"], or one string, which counts as one test), and the code is extracted from
+the completion by `extract_code`. A row whose tests are empty, blank or not of TEST_FORM is
+refused with an error naming it, not scored.
 """
 
 import ast
