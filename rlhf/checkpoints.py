@@ -506,10 +506,11 @@ def _file_sha256(path):
     return _HASHES[key]
 
 
-def fingerprint(path):
+def fingerprint(path, skip=()):
     """sha256 of a file's content; of a folder, of what a model or dataset load reads there: its
     model files (config, weights, tokenizer) and, in any subfolder, its data files, by name and
-    content (hidden files, and a run folder's checkpoints' weights, left out). None: neither."""
+    content (hidden files, a run folder's checkpoints' weights and the folders `skip` (real paths:
+    this run's output, whose logs grow) left out). None: neither."""
     import hashlib
 
     if os.path.isfile(path):
@@ -518,7 +519,7 @@ def fingerprint(path):
         return None
     digest = hashlib.sha256(b"folder\0")
     for root, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in skip)
         for name in sorted(names):
             file = os.path.join(root, name)
             top = root == path
@@ -528,13 +529,19 @@ def fingerprint(path):
     return digest.hexdigest()
 
 
+def _own_output(args):
+    """The run's own output folder, as fingerprint's `skip`: a --model folder may hold it."""
+    out = getattr(args, "output_dir", None)
+    return (os.path.realpath(out),) if isinstance(out, str) and out else ()
+
+
 def input_hashes(args):
     """{flag: {path: sha256}} of the files and folders the run's flags name (a --dataset file or
     folder, the --model and --reward_model folders, the file.py of a --reward_fn or --tools, ...;
     `fingerprint`), and under IMPORTS the project-external modules those .py files imported: a
     resume refuses inputs whose content changed since the checkpoint (check_input_files), as it
     refuses a changed flag."""
-    hashes = {}
+    hashes, skip = {}, _own_output(args)
     for flag, value in sorted(vars(args).items()):
         if flag in RESUME_FREE or not isinstance(value, str):
             continue
@@ -542,7 +549,7 @@ def input_hashes(args):
             path = part if os.path.exists(part) else part.rpartition(":")[0]  # file.py:function names file.py
             if not path or not (os.path.isfile(path) or os.path.isdir(path)):
                 continue
-            hashes.setdefault(flag, {})[path] = fingerprint(path)
+            hashes.setdefault(flag, {})[path] = fingerprint(path, skip)
     imported = {path: fingerprint(path) for path in sorted(basics.USER_IMPORTS) if os.path.isfile(path)}
     if imported:
         hashes[IMPORTS] = imported
@@ -564,7 +571,9 @@ def check_input_files(args, folder):
             raise ValueError("not a JSON object of {flag: {path: sha256}}")
     except (OSError, ValueError) as e:
         basics.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
-    changed = [(flag, file) for flag, files in saved.items() for file, digest in files.items() if fingerprint(file) != digest]
+    skip = _own_output(args)
+    changed = [(flag, file) for flag, files in saved.items() for file, digest in files.items()
+               if fingerprint(file, skip) != digest]
     for flag, file in changed:
         what = "the folder" if os.path.isdir(file) else "the file"
         source = "a module a --reward_fn or --tools file imported" if flag == IMPORTS else f"--{flag}"

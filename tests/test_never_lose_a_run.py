@@ -324,3 +324,15 @@ def test_resume_refuses_a_folder_or_imported_module_that_changed(tmp_path, tiny_
                     f"{out}/checkpoint-1 was trained with (its content changed)")
     message = main_error(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch, capsys)
     assert expected in message and "Restore it, or add --resume_allow_changes" in message
+
+
+def test_resume_with_the_output_inside_the_model_folder(tmp_path, tiny_qwen, files, monkeypatch):
+    """--output_dir inside the --model folder: the run's own logs, which grow, are not part of the
+    model folder's fingerprint, so the resume is not refused."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen, model)
+    out = str(model / "grpo")
+    argv = tiny_grpo(str(model), files, "--reward_fn", f"{files['r.py']}:length", "--save_steps", "1", "--output_dir", out)
+    run_main(grpo, argv, monkeypatch)
+    run_main(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
