@@ -54,9 +54,11 @@ Judges (--judge):
   tied within --tie_margin, as the LLM judge;
 - `http:MODEL`: an OpenAI-compatible server (a vLLM server, an API) at --judge_base_url, the key
   from the environment variable --judge_api_key_env: POST /chat/completions with the question,
-  P(A) from the answer token's top log-probs where the server gives them, else from the answer's
-  letter (A 1, B 0, anything else 0.5); asked in both orders, ties as above. Every request waits
-  --judge_timeout seconds and is tried 1 + --judge_max_retries times; then the run stops in one
+  P(A) from the answer token's top log-probs where the server gives them (finite), else from the
+  answer, exactly A (1) or B (0): any other answer stops the run in one sentence naming it; asked
+  in both orders, ties as above. Every request has --judge_timeout seconds in all (a server that
+  sends one byte a second is cut off), a reply of at most 1 MB, no redirect followed (the key
+  would go with it), and is tried 1 + --judge_max_retries times; then the run stops in one
   sentence (the generations stay cached).
 The question the llm, pairwise and http judges (rlhf/evaluation/judges.py) read is its JUDGE_TEMPLATE, or --judge_template FILE
 with {prompt}, {a} and {b} where the prompt and the two responses go.
@@ -76,8 +78,9 @@ Departures and choices:
 - generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
   and a SHA-256 of its weight files' content), the rendered prompts and the generation settings,
   so a re-run with another judge does not generate again, nor one on fewer of the same prompts
-  (--num_prompts 10 after 30 reuses those 10 responses) (policies.py: the methods, their runs'
-  names, and the cache).
+  (--num_prompts 10 after 30 reuses those 10 responses; --num_samples 4 after 8 takes each
+  prompt's first 4 samples); a cache file that cannot be read is named, moved aside to
+  FILE.unreadable and generated again (policies.py: the methods, their runs' names, and the cache).
 
 Run:
     python eval.py runs/sft runs/ppo runs/dpo runs/grpo                   # gold judge -> runs/eval
@@ -138,7 +141,7 @@ class Args(VllmArgs, ModelArgs):
     judge_template: str = field(default="", metadata={"help": "A text file with the question the llm, pairwise and http judges are asked, holding {prompt}, {a} and {b} (the two responses); with --judge llm the answer letter, A or B, must come next. Default: rlhf/evaluation/judges.py's JUDGE_TEMPLATE."})
     judge_base_url: str = field(default="", metadata={"help": "With --judge http:MODEL: the server's OpenAI-compatible base URL, e.g. http://localhost:8000/v1 (vllm serve MODEL); POST <url>/chat/completions."})
     judge_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "With --judge http: the environment variable holding the API key, sent as a Bearer token (unset: no key sent)."})
-    judge_timeout: float = field(default=60.0, metadata={"help": "With --judge http: seconds to wait for one answer before trying again."})
+    judge_timeout: float = field(default=60.0, metadata={"help": "With --judge http: seconds one request may take in all (connection, reply) before it is tried again."})
     judge_max_retries: int = field(default=3, metadata={"help": "With --judge http: tries after a failed one (timeout, refused connection, 5xx) before the run stops."})
     reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1); the judge's score is the weighted sum over the functions that do not return None, as in grpo.py."})
@@ -557,6 +560,9 @@ def main():
                 except judges.JudgeUnreachable as e:
                     common.fail(f"--judge {args.judge}: {e}; check --judge_base_url and --judge_api_key_env and that the "
                                 "server runs (the generations are cached: a rerun only judges).")
+                except judges.JudgeBadAnswer as e:
+                    common.fail(f"--judge {args.judge}: {e}; use a judge model and --judge_template that answer with the "
+                                "one letter A or B (the generations are cached: a rerun only judges).")
             outcomes[a, b] = outcomes_from_probs(prob, args.tie_margin)  # no preference within the margin: a tie
             extra[a, b] = [{"prob_a": float(p)} for p in prob]
         del model

@@ -190,7 +190,8 @@ def main():
     # --max_length: whole examples as token lists (cut at max_length), in rows of one, or packed
     rows = None
     if args.max_length:
-        example_ids, example_masks, cut = data.encode_examples(tokenizer, prompts, turns, args.max_length, stop_ids)
+        example_ids, example_masks, cut = data.encode_examples(tokenizer, prompts, turns, args.max_length, stop_ids,
+                                                               args.dataset)
         lengths = [len(ids) for ids in example_ids]
         rows = data.pack(lengths, args.max_length) if args.packing else [[i] for i in range(len(pairs))]
         truncated = {"examples_truncated": cut}

@@ -43,6 +43,32 @@ def moved(path):
     return f" (it moved to {new})" if new and os.path.isfile(new) else ""
 
 
+# the files of the modules that loading a user's .py file (--reward_fn, --tools) imported from
+# outside the standard library, the installed packages and this project: a resume checks them too
+USER_IMPORTS = set()
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def exec_user_file(module_spec, module):
+    """module_spec.loader.exec_module(module), noting in USER_IMPORTS the project-external modules
+    it imported (a helper module next to a reward file can change the rewards as the file can)."""
+    import sysconfig
+
+    before = set(sys.modules)
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        installed = {os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        ours = {os.path.join(_ROOT, "rlhf") + os.sep, os.path.join(_ROOT, "worlds") + os.sep}
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules.get(name), "__file__", None)
+            if not isinstance(file, str) or not file.endswith(".py"):
+                continue
+            real = os.path.realpath(file)
+            if not real.startswith(tuple(installed | ours)) and os.path.dirname(real) != _ROOT and "site-packages" not in real:
+                USER_IMPORTS.add(real)
+
+
 def fail(message):
     """Stop the run with a message a person can act on (no traceback for user errors)."""
     sys.exit(f"error: {message}")

@@ -487,54 +487,101 @@ RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_outp
 
 
 _HASHES = {}  # (path, size, mtime) -> sha256: a file is read once per process while it is unchanged
+MODEL_FILES = (".safetensors", ".bin", ".json", ".model", ".jinja", ".txt")  # what from_pretrained reads of a folder
+DATA_FILES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")  # what datasets reads of a folder (data.py)
+IMPORTS = "imports"  # input_hashes' key of the modules user files imported (basics.USER_IMPORTS)
+
+
+def _file_sha256(path):
+    import hashlib
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
+
+
+def fingerprint(path, skip=()):
+    """sha256 of a file's content; of a folder, of what a model or dataset load reads there: its
+    model files (config, weights, tokenizer) and, in any subfolder, its data files, by name and
+    content (hidden files, a run folder's checkpoints' weights and the folders `skip` (real paths:
+    this run's output, whose logs grow) left out). None: neither."""
+    import hashlib
+
+    if os.path.isfile(path):
+        return _file_sha256(path)
+    if not os.path.isdir(path):
+        return None
+    digest = hashlib.sha256(b"folder\0")
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in skip)
+        for name in sorted(names):
+            file = os.path.join(root, name)
+            top = root == path
+            if name.startswith(".") or not os.path.isfile(file) or not name.endswith(DATA_FILES + (MODEL_FILES if top else ())):
+                continue
+            digest.update(os.path.relpath(file, path).encode() + b"\0" + _file_sha256(file).encode())
+    return digest.hexdigest()
+
+
+def _own_output(args):
+    """The run's own output folder, as fingerprint's `skip`: a --model folder may hold it."""
+    out = getattr(args, "output_dir", None)
+    return (os.path.realpath(out),) if isinstance(out, str) and out else ()
 
 
 def input_hashes(args):
-    """{flag: {path: sha256}} of the files the run's flags name (a --dataset file, the file.py of
-    a --reward_fn or --tools, ...; folders are not hashed): a resume refuses files whose content
-    changed since the checkpoint (check_resume_args), as it refuses a changed flag."""
-    import hashlib
-
-    hashes = {}
+    """{flag: {path: sha256}} of the files and folders the run's flags name (a --dataset file or
+    folder, the --model and --reward_model folders, the file.py of a --reward_fn or --tools, ...;
+    `fingerprint`), and under IMPORTS the project-external modules those .py files imported: a
+    resume refuses inputs whose content changed since the checkpoint (check_input_files), as it
+    refuses a changed flag."""
+    hashes, skip = {}, _own_output(args)
     for flag, value in sorted(vars(args).items()):
         if flag in RESUME_FREE or not isinstance(value, str):
             continue
         for part in value.split(","):
-            path = part if os.path.isfile(part) else part.rpartition(":")[0]  # file.py:function names file.py
-            if not path or not os.path.isfile(path):
+            path = part if os.path.exists(part) else part.rpartition(":")[0]  # file.py:function names file.py
+            if not path or not (os.path.isfile(path) or os.path.isdir(path)):
                 continue
-            st = os.stat(path)
-            key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-            if key not in _HASHES:
-                digest = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                _HASHES[key] = digest.hexdigest()
-            hashes.setdefault(flag, {})[path] = _HASHES[key]
+            hashes.setdefault(flag, {})[path] = fingerprint(path, skip)
+    imported = {path: fingerprint(path) for path in sorted(basics.USER_IMPORTS) if os.path.isfile(path)}
+    if imported:
+        hashes[IMPORTS] = imported
     return hashes
 
 
 def check_input_files(args, folder):
-    """Refuse a resume when a file the flags name (input_hashes) changed content since `folder`
-    was saved (a reward function edited mid-run, a dataset rewritten), unless --resume_allow_changes."""
+    """Refuse a resume when a file or folder the flags name, or a module a --reward_fn or --tools
+    file imported (input_hashes), changed content since `folder` was saved (a reward function or its
+    helper edited mid-run, a dataset rewritten, the --model weights replaced), unless
+    --resume_allow_changes."""
     path = os.path.join(folder, "input_hashes.json")
     if not os.path.isfile(path):  # a checkpoint from before the hashes were recorded
         return
     try:
         with open(path) as f:
             saved = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        if not (isinstance(saved, dict) and all(isinstance(v, dict) for v in saved.values())):
+            raise ValueError("not a JSON object of {flag: {path: sha256}}")
+    except (OSError, ValueError) as e:
         basics.fail(f"{path} cannot be read ({e}).{_earlier_checkpoints(folder)}")
-    now = input_hashes(args)
+    skip = _own_output(args)
     changed = [(flag, file) for flag, files in saved.items() for file, digest in files.items()
-               if now.get(flag, {}).get(file) != digest]
+               if fingerprint(file, skip) != digest]
     for flag, file in changed:
+        what = "the folder" if os.path.isdir(file) else "the file"
+        source = "a module a --reward_fn or --tools file imported" if flag == IMPORTS else f"--{flag}"
         if not getattr(args, "resume_allow_changes", False):
-            basics.fail(f"{file} (--{flag}) is not the file {folder} was trained with (its content "
-                        f"{'changed' if os.path.isfile(file) else 'is gone'}); the resumed run would not end where the "
-                        "interrupted one would. Restore the file, or add --resume_allow_changes to continue anyway.")
-        print(f"resume: {file} (--{flag}) changed since {folder} was saved (--resume_allow_changes).")
+            basics.fail(f"{file} ({source}) is not {what} {folder} was trained with (its content "
+                        f"{'changed' if os.path.exists(file) else 'is gone'}); the resumed run would not end where the "
+                        "interrupted one would. Restore it, or add --resume_allow_changes to continue anyway.")
+        print(f"resume: {file} ({source}) changed since {folder} was saved (--resume_allow_changes).")
 
 
 def check_resume_args(args, folder, step):

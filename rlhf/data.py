@@ -178,10 +178,27 @@ def is_conversational(value):
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+def check_messages(msgs, where, trained=False):
+    """Every message's content is text (not None, not a list of parts), and with `trained` (the
+    assistant turns are trained on: SFT's messages or completion) no assistant message is empty:
+    an empty one would train on the end-of-turn token alone. `where`: "<data>, row i, column c"."""
+    for j, m in enumerate(msgs):
+        if not isinstance(m["content"], str):
+            basics.fail(f"{where}, message {j} ({m['role']}): the content is {type(m['content']).__name__} "
+                        f"{repr(m['content'])[:60]}, not text; write each message's content as one string (join a list "
+                        "of parts into its text).")
+        if trained and m["role"] == "assistant" and j < len(msgs) - 1 and not m["content"].strip():
+            basics.fail(f"{where}, message {j}: an assistant message before the last one is empty; it would train on the "
+                        "end-of-turn token alone. Remove the turn or fill it.")
+
+
 def check_text(ds, columns, spec):
-    """Every value of these columns is a non-empty string or a list of {role, content} messages."""
+    """Every value of these columns is a non-empty string or a list of {role, content} messages,
+    each with text content (check_messages)."""
     for col in columns:
         for i, v in enumerate(ds[col]):
+            if is_conversational(v):
+                check_messages(v, f"{dataset_name(spec)}, row {i}, column {col!r}", trained=col in ("messages", "completion"))
             # a conversation's last message is the response (or the prompt's question): empty is an error too
             if is_conversational(v) and v and not str(v[-1]["content"]).strip():
                 basics.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
@@ -428,11 +445,13 @@ def encode_turns(tokenizer, turns, max_length=None, stop_ids=None):
     return ids, mask, _pad(trained, 0, left=False)[0] * mask
 
 
-def encode_examples(tokenizer, prompts, turns, max_length, stop_ids=None):
+def encode_examples(tokenizer, prompts, turns, max_length, stop_ids=None, spec=None):
     """sft.py --max_length: each example as one token list, the prompt's tokens as encode_prompts
     writes them, then the completion's as encode_turns writes them, and its loss mask (0 on the
     prompt), both cut to the first max_length tokens (TRL's max_length: the whole conversation,
-    with no prompt/completion split). Returns ([ids], [loss mask]) as lists and how many were cut."""
+    with no prompt/completion split). Returns ([ids], [loss mask]) as lists and how many were cut.
+    With `spec` (the training data), an example with no trained token left (a prompt of max_length
+    tokens or more) is refused, naming its row (an evaluation row scores no token: harmless)."""
     ids, masks, cut = [], [], 0
     for i in range(0, len(prompts), 1024):  # the padded tensors of 1024 examples at a time
         p_ids, p_mask = encode_prompts(tokenizer, prompts[i:i + 1024])
@@ -442,6 +461,10 @@ def encode_examples(tokenizer, prompts, turns, max_length, stop_ids=None):
             ids.append((prompt + completion)[:max_length])
             masks.append(([0] * len(prompt) + loss_mask[j][c_mask[j].bool()].tolist())[:max_length])
             cut += len(prompt) + len(completion) > max_length
+            if spec is not None and not any(masks[-1]):
+                basics.fail(f"{dataset_name(spec)}, row {i + j}: no token of its completion is "
+                            f"left within --max_length {max_length} (the prompt alone has {len(prompt)} tokens), so "
+                            "the row would train nothing; raise --max_length, or shorten or remove the row.")
     return ids, masks, cut
 
 

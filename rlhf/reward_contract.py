@@ -20,7 +20,7 @@ from rlhf import sandbox
 from worlds import world
 from worlds import world_arith
 from worlds import world_ifeval
-from rlhf.basics import fail, moved, script_name
+from rlhf.basics import exec_user_file, fail, moved, script_name
 
 
 def load_reward_fn(spec):
@@ -45,7 +45,7 @@ def load_reward_fn(spec):
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:  # the file is executed, as `python file.py` would: only pass files you trust
-        module_spec.loader.exec_module(module)
+        exec_user_file(module_spec, module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's file: name it and its error
         fail(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {str(e)[:300]}; fix the file "
              "(it is executed when loaded) and run again.")

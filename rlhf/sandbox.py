@@ -18,13 +18,19 @@ How one completion runs (`_spawn`):
   RLIMIT_NPROC = 1 (no new process or thread: fork, subprocess and threads fail), and a seccomp
   filter (SECCOMP, x86_64 and aarch64) that denies the kernel keyrings (a uid's keys outlive its
   processes, so a run could leave state for the next run on its uid), bpf, userfaultfd,
-  perf_event_open and io_uring;
+  perf_event_open, io_uring, unshare and setns (a new user namespace is the usual first step of a
+  kernel exploit), memfd_create and pidfd_open; Python's limit on int <-> decimal text is lifted
+  (a correct answer may be a 5,000-digit number);
 - when the trainer runs as root (the usual container), the harness first enters new network, IPC
   and mount namespaces (unshare through libc): no interface but a down loopback, so no socket
   can reach anything; no System V object or message queue another run can see; every mount
   read-only, and fresh tmpfs mounts of SCRATCH_MB on /tmp (the working directory), /var/tmp and
   /dev/shm, private to this run and gone with its last process, so no file the code writes
-  outlives the run and no run reads what another left. It then drops to an unprivileged uid of
+  outlives the run and no run reads what another left. The interpreter's library folders that
+  the unprivileged uid could not reach (a python under a mode-700 home, as pyenv or conda install
+  it, or under /tmp) are bind-mounted again at their own path, read-only, over an empty tmpfs on
+  that home: the code imports the whole standard library and sees nothing else of the home
+  (`check` names any common module it still cannot import). It then drops to an unprivileged uid of
   its own (`_uid`: one per pool slot and per trainer process, one per concurrent run):
   RLIMIT_NPROC is enforced for it (root ignores it), it cannot read the trainer's memory or
   root's files, and it can signal no process but itself;
@@ -38,16 +44,19 @@ Two kinds of job:
   right: never a reward.
 - `verify` (the verifiers): a test is one or more `assert f(<literals>) == <literal>` (TEST_FORM).
   The parent parses it (ast) into the call f(...) and the expected value; the child receives the
-  code and the calls only, never an expected value, and returns what each call returned as plain
-  data (None, bool, int, float, str, and lists, tuples and dicts of them; a value of any other
-  type, a subclass included, fails its test). The report is one length-prefixed Python literal,
-  which the parent parses with ast.literal_eval and checks type by type (anything else, a torn or
-  a second frame included: every test fails), and the parent compares each value with the
-  expected one it alone holds. So nothing the code does in its process (an always-true __eq__,
+  code and the calls only, never an expected value, runs the code as a module named `solution`
+  (not `__main__`: a demo under `if __name__ == "__main__":` that reads input() does not run),
+  and returns what each call returned as plain data (None, bool, int, float, str, and lists,
+  tuples and dicts of them; a value of any other type, a subclass included, fails its test). The
+  report is one length-prefixed Python literal, which the parent parses with ast.literal_eval and
+  checks type by type (anything else, a torn or a second frame included: every test fails), and
+  the parent compares each value with the expected one it alone holds. So nothing the code does in its process (an always-true __eq__,
   rebinding builtins, patching the harness, forging the report, walking the frames) makes a wrong
   value pass: to pass, the code must return the right values.
 An error in the code (syntax, exception, exit, crash, timeout, limit) fails the tests it did not
-get to pass: a reward of 0, never an exception in the trainer.
+get to pass: a reward of 0, never an exception in the trainer. In `verify`, an exception or exit
+at module level (a usage line after the solution that reads input()) does not: the calls still run
+on what the code defined, and only their values count.
 
 Without root the code runs as the trainer's own user, with none of the namespaces: it can read
 and change this user's files (the tests on disk included), leave files in /tmp that a later run
@@ -64,13 +73,15 @@ exceeds its time limit (more likely on a loaded machine) fails.
 
 The verifiers (`exec_tests`, `exec_tests_strict`) follow TRL's reward-function contract,
 fn(prompts=, completions=, **columns): completions are strings or conversations (the content of
-the last *assistant* message: a tool's reply is never code), the tests come from the dataset
-column `tests` (a list of tests such as ["assert f(2) == 7", "assert f(-1) == -2"], or one string,
-which counts as one test), and the code is extracted from the completion by `extract_code`. A row
-whose tests are empty, blank or not of TEST_FORM is refused with an error naming it, not scored.
+the last *assistant* message, a string or a list of text parts: a tool's reply is never code),
+the tests come from the dataset column `tests` (a list of tests such as ["assert f(2) == 7",
+"assert f(-1) == -2"], or one string, which counts as one test), and the code is extracted from
+the completion by `extract_code`. A row whose tests are empty, blank or not of TEST_FORM is
+refused with an error naming it, not scored.
 """
 
 import ast
+import contextlib
 import marshal
 import os
 import re
@@ -93,14 +104,17 @@ OUTPUT_CHARS = 2000  # characters of the code's output kept in Result.output
 REPORT_BYTES = 1 << 16  # a larger report is no report; verify adds room for the expected values (parsing costs the trainer)
 UID_BASE, UID_RANGE = 61000, 4096  # as root, runs take uids in UID_BASE..UID_BASE+UID_RANGE-1 (no user may hold one)
 MAX_WORKERS = 64  # pool slots per process
-PRELOAD = ("math", "itertools", "heapq", "bisect")  # see _stdlib_readable; cheap ones: each costs every run start-up time
+PROBE_MODULES = ("collections", "functools", "itertools", "math", "re", "string", "typing", "heapq", "bisect",
+                 "random", "dataclasses", "json", "fractions", "statistics")  # check() says which of these fail
+MAX_DEPTH = 190  # an answer nested deeper fails; the parent's parser reads ~200 levels, the report wraps it in 3
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # + HOME = the working directory
 TEST_FORM = "assert f(<literals>) == <literal>"
 PLAIN = (type(None), bool, int, float, str)  # and list, tuple, dict of plain values
-# seccomp: (the audit arch, the denied syscalls: add_key, request_key, keyctl, bpf, userfaultfd, perf_event_open, io_uring_*)
-SECCOMP = {"x86_64": (0xC000003E, (248, 249, 250, 321, 323, 298, 425, 426, 427)),
-           "aarch64": (0xC00000B7, (217, 218, 219, 280, 282, 241, 425, 426, 427))}
+# seccomp: (the audit arch, the denied syscalls: add_key, request_key, keyctl, bpf, userfaultfd, perf_event_open,
+# io_uring_*, unshare, setns, memfd_create, pidfd_open)
+SECCOMP = {"x86_64": (0xC000003E, (248, 249, 250, 321, 323, 298, 425, 426, 427, 272, 308, 319, 434)),
+           "aarch64": (0xC00000B7, (217, 218, 219, 280, 282, 241, 425, 426, 427, 97, 268, 279, 434))}
 
 
 class SandboxError(RuntimeError):
@@ -125,7 +139,9 @@ def main():
     job = marshal.loads(sys.stdin.buffer.read())
     fd = os.dup(1)  # the report's descriptor; the code's prints go to the output file
     os.dup2(2, 1)
-    type_, repr_, str_, write, exit_ = type, repr, str, os.write, os._exit  # the code may rebind builtins
+    type_, repr_, str_, hex_, write, exit_ = type, repr, str, hex, os.write, os._exit  # the code may rebind builtins
+    if hasattr(sys, "set_int_max_str_digits"):  # a correct answer may print or parse an int of any size
+        sys.set_int_max_str_digits(0)
 
     def send(text):  # one frame: b"<length>\n<a Python literal>", then exit
         try:
@@ -146,8 +162,10 @@ def main():
 
     def encode(v, depth):  # plain data as a Python literal, exact types only
         t = type_(v)
-        if depth > 100:
-            raise ValueError("nested deeper than 100")
+        if depth > job["max_depth"]:
+            raise ValueError("nested deeper than %d" % job["max_depth"])
+        if t is int and not -(1 << 10000) < v < 1 << 10000:  # hex: no digit limit in the parent's parser, and linear
+            return hex_(v)
         if v is None or t is bool or t is int or t is str:
             return repr_(v)
         if t is float:
@@ -169,6 +187,17 @@ def main():
             if not ok:
                 send(repr_({"setup_error": what + ": " + os.strerror(ctypes.get_errno())}))
 
+        def private_top(path):  # the outermost folder above `path` that others may not enter (a mode-700 home)
+            top = None
+            while os.path.dirname(path) != path:
+                path = os.path.dirname(path)
+                if not os.stat(path).st_mode & 0o001 and path != "/":  # no tmpfs over /: then check() tells
+                    top = path
+            return top
+
+        def under(path, folder):
+            return path == folder or path.startswith(folder.rstrip("/") + "/")
+
         need(libc.unshare(0x40000000 | 0x08000000 | 0x00020000) == 0, "unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWNS)")
         need(libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0, "mount(/, MS_REC | MS_PRIVATE)")  # nothing propagates out
         attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # MOUNT_ATTR_RDONLY
@@ -180,12 +209,36 @@ def main():
                 keep = sum(flags.get(o, 0) for o in m[5].split(","))
                 point = m[4].replace("\\040", " ").encode()
                 need(libc.mount(None, point, None, 32 | 4096 | 1 | keep, None) == 0, "remount read-only " + m[4])
+        # the interpreter's library folders that the unprivileged uid could not reach: below a private
+        # home (pyenv, conda) or below a scratch place that a tmpfs will hide. Held open (in this mount
+        # namespace, where a bind mount may start), then shown again at their path after the mounts,
+        # read-only, and nothing else of that home
+        folders = [p for p in sys.path if p and os.path.isdir(p)]
+        folders = [p for p in folders if not any(q != p and under(p, q) for q in folders)]
+        reveal = [(p, private_top(p), os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in folders
+                  if private_top(p) or any(under(p, s) for s in job["scratch"])]
         for path in job["scratch"]:  # MS_NOSUID | MS_NODEV
             options = "size=%dm,nr_inodes=4096,mode=0700,uid=%d,gid=%d" % (job["scratch_mb"], job["uid"], job["uid"])
             need(libc.mount(b"tmpfs", path.encode(), b"tmpfs", 2 | 4, options.encode()) == 0, "mount tmpfs on " + path)
+        tops = []  # private homes covered by an empty read-only tmpfs that others may enter
+        for path, top, held in reveal:
+            if top not in (None, *tops) and not any(under(top, s) for s in job["scratch"]):
+                need(libc.mount(b"tmpfs", top.encode(), b"tmpfs", 2 | 4, b"size=1m,nr_inodes=4096,mode=0755") == 0,
+                     "mount tmpfs on " + top)
+                tops.append(top)
+            made = "/"
+            for part in path.strip("/").split("/"):  # the path again, each folder enterable by others
+                made = os.path.join(made, part)
+                if not os.path.isdir(made):
+                    os.mkdir(made)
+                    os.chmod(made, 0o755)
+            need(libc.mount(("/proc/self/fd/%d" % held).encode(), path.encode(), None, 4096 | 16384, None) == 0,
+                 "bind-mount " + path)  # MS_BIND | MS_REC
+            need(libc.mount(None, path.encode(), None, 32 | 4096 | 1, None) == 0, "remount read-only " + path)
+            os.close(held)
+        for top in tops:  # MS_REMOUNT | MS_RDONLY
+            need(libc.mount(None, top.encode(), None, 32 | 1, None) == 0, "remount read-only " + top)
         os.chdir("/tmp")
-        for name in job["preload"]:  # modules the code may import when the uid cannot read the interpreter's files
-            __import__(name)
         os.setgroups([]); os.setgid(job["uid"]); os.setuid(job["uid"])
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))  # CPU: SIGXCPU, 1 s later SIGKILL
@@ -200,7 +253,11 @@ def main():
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, fprog, 0, 0) != 0:  # NO_NEW_PRIVS; SECCOMP_MODE_FILTER
             send(repr_({"setup_error": "seccomp: " + os.strerror(ctypes.get_errno())}))
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    # not __main__: a `if __name__ == "__main__":` block (a demo that reads input()) is not run
+    module = type_(sys)("solution")
+    sys.modules["solution"] = module  # what dataclasses, pickle and typing look up by a class's __module__
+    namespace = module.__dict__
+    namespace["__builtins__"] = __builtins__
     error = None
     try:
         exec(compile(job["code"], "<completion>", "exec"), namespace)
@@ -216,8 +273,10 @@ def main():
                 passed.append("False")
                 error = error or "test: " + describe(e)
         send("{'error': " + repr_(error) + ", 'passed': [" + ",".join(passed) + "]}")
-    results = []  # verify: what each call returned, as plain data
-    for name, args, kwargs in job["calls"] if error is None else ():
+    # verify: what each call returned, as plain data. Also when the code raised after defining the
+    # function (a usage line that reads input() or exits): only the returned values count
+    results = []
+    for name, args, kwargs in job["calls"]:
         try:
             value = namespace[name](*args, **kwargs)
         except BaseException as e:
@@ -234,18 +293,17 @@ main()
 """
 
 
-def _stdlib_readable():
-    """Whether any user can read the standard library (every directory above it searchable by
-    others). Not, e.g., for a python installed under /root: then the child imports PRELOAD
-    before it drops to the unprivileged uid, and other modules fail to import."""
-    path = os.path.dirname(os.__file__)
-    while True:
-        if not os.stat(path).st_mode & 0o005 == 0o005:
-            return False
-        parent = os.path.dirname(path)
-        if parent == path:
-            return True
-        path = parent
+@contextlib.contextmanager
+def _any_digits():
+    """Python's limit on int <-> decimal text (4300 digits) lifted: a test may expect a big number."""
+    old = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else None
+    if old is not None:
+        sys.set_int_max_str_digits(0)
+    try:
+        yield
+    finally:
+        if old is not None:
+            sys.set_int_max_str_digits(old)
 
 
 def _limits(timeout):
@@ -284,7 +342,7 @@ def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES)
         job = marshal.dumps({"code": code, "tests": list(tests), "calls": calls, "uid": uid, "limits": _limits(timeout),
                              "scratch": [p for p in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(p)],
                              "scratch_mb": SCRATCH_MB, "seccomp": SECCOMP.get(os.uname().machine),
-                             "preload": PRELOAD if uid is not None and not _stdlib_readable() else ()})
+                             "max_depth": MAX_DEPTH})
         out_path, res_path = os.path.join(private, "output"), os.path.join(private, "report")
         with open(out_path, "wb") as out, open(res_path, "wb") as res:
             try:
@@ -347,6 +405,20 @@ def _plain(value):
 def parse_test(test):
     """A test (one or more `assert f(<literals>) == <literal>` statements) -> the asserts'
     ((name, args, kwargs), expected) pairs; ValueError with the reason when it is not that form."""
+    with _any_digits():
+        return _parse_test(test)
+
+
+def _depth(value):
+    """How deeply `value` (plain data) nests lists, tuples and dicts: 0 for a scalar."""
+    if type(value) in (list, tuple):
+        return 1 + max(map(_depth, value), default=0)
+    if type(value) is dict:
+        return 1 + max((max(_depth(k), _depth(v)) for k, v in value.items()), default=0)
+    return 0
+
+
+def _parse_test(test):
     try:
         body = ast.parse(test).body
     except SyntaxError as e:
@@ -369,6 +441,9 @@ def parse_test(test):
         if not _plain(expected):
             raise ValueError(f"{ast.unparse(node)[:80]!r} expects a value that is not None, bool, int, float, str, "
                              "or a list, tuple or dict of them")
+        if _depth(expected) > MAX_DEPTH:
+            raise ValueError(f"{ast.unparse(node)[:80]!r} expects a value nested deeper than {MAX_DEPTH} levels, more than "
+                             "the verifier's report can hold")
         pairs.append(((call.func.id, args, kwargs), expected))
     return pairs
 
@@ -378,12 +453,14 @@ def verify(code, tests, timeout=TIMEOUT, slot=0):
     process; a test passes when every call of it returned exactly its expected value -> Result."""
     calls = [call for pairs in tests for call, _ in pairs]
     # a report longer than the right values' (plus room for errors) cannot pass: not parsed
-    room = REPORT_BYTES + 400 * len(calls) + 2 * sum(len(repr(expected)) for pairs in tests for _, expected in pairs)
+    with _any_digits():
+        room = REPORT_BYTES + 400 * len(calls) + 2 * sum(len(repr(expected)) for pairs in tests for _, expected in pairs)
     status, report, output = _spawn(code, timeout, slot, calls=calls, report_bytes=room)
-    results = report.get("results") if status != "crashed" and report else None
-    if status == "ok" and not (type(results) is list and len(results) == len(calls)):
+    # "error": the code raised at module level; the calls still ran, and their values count
+    results = report.get("results") if status in ("ok", "error") and report else None
+    if status in ("ok", "error") and not (type(results) is list and len(results) == len(calls)):
         status, output = "crashed", output + "\n[the report does not hold one result per call]"
-    if status != "ok":
+    if status not in ("ok", "error"):
         return Result((False,) * len(tests), status, output)
     returned = iter(results)
     passed = []
@@ -429,6 +506,12 @@ def check():
             raise SandboxError(f"sandbox: a trivial job failed ({why}); the sandbox cannot run here (as root it needs "
                                "unshare and mount of new network, IPC and mount namespaces, and setuid: run the container "
                                "with CAP_SYS_ADMIN, or as a normal user).")
+        # a module the code cannot import scores a correct answer 0: say so once, naming them
+        result = run("", [f"import {name}" for name in PROBE_MODULES], timeout=30.0)
+        missing = [name for name, ok in zip(PROBE_MODULES, result.passed) if not ok]
+        if missing:
+            print(f"sandbox: generated code cannot import {', '.join(missing)} ({sys.executable}: the unprivileged uid "
+                  "cannot read these modules' files); correct code that imports them scores 0.", file=sys.stderr)
         _checked.add(key)
 
 
@@ -471,18 +554,110 @@ def verify_batch(jobs, workers=None, timeout=TIMEOUT):
 
 
 # ---------------------------------------------------------------- the verifiers
-_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_OPEN = re.compile(r"([ \t]*)```+[ \t]*([A-Za-z0-9_+-]*)[^`]*")  # a fence line: its indent and its language
+_CLOSE = re.compile(r"[ \t]*```+[ \t]*")
+_CODE_START = re.compile(r"(def |async def |class |import |from [\w.]+ import |@|if __name__|[A-Za-z_]\w*(, *\w+)* *=[^=])")
+PYTHON_TAGS = ("python", "py", "python3", "py3")
+MAX_COMPILES = 200  # per completion: the tries of extract_code to find where code starts and ends
+
+
+def _compiles(code):
+    try:
+        compile(code, "<completion>", "exec", dont_inherit=True)
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError):
+        return False
+
+
+def _fenced_blocks(lines, budget):
+    """[(language, code)] of the fenced blocks, or None when a fence is never closed. A block ends
+    at the first closing fence after which its code compiles (a docstring may hold a fence), else at
+    the first closing fence; an indented fence (in a list item) has its indent removed."""
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = _OPEN.fullmatch(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, language = opening.group(1), opening.group(2).lower()
+        closes = [j for j in range(i + 1, len(lines)) if _CLOSE.fullmatch(lines[j])]
+        if not closes:
+            return None
+
+        def body(j):
+            return "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:j])
+
+        end = closes[0]
+        if language in PYTHON_TAGS or not language:
+            for j in closes[:20]:
+                budget[0] -= 1
+                if budget[0] > 0 and _compiles(body(j)):
+                    end = j
+                    break
+        blocks.append((language, body(end)))
+        i = end + 1
+    return blocks
+
+
+def _unfenced_code(lines, budget):
+    """The code in a text without fences: the spans that compile, from a line that starts a
+    statement (def, class, import, an assignment, ...) to the last line before prose, joined."""
+    spans, i = [], 0
+    while i < len(lines) and budget[0] > 0:
+        if not _CODE_START.match(lines[i]):
+            i += 1
+            continue
+        # a span may end before any later line that starts at column 0: prose or more code
+        ends = [j for j in range(len(lines), i, -1) if j == len(lines) or (lines[j][:1].strip() and j > i)]
+        end = None
+        for j in ends:
+            budget[0] -= 1
+            if budget[0] <= 0:
+                break
+            if _compiles("\n".join(lines[i:j])):
+                end = j
+                break
+        if end is None:
+            i += 1
+            continue
+        spans.append("\n".join(lines[i:end]))
+        i = end
+    return "\n".join(spans)
 
 
 def extract_code(text):
-    """The code in a completion: the last fenced block marked python (```python or ```py), else
-    the last fenced block of any kind, else the whole text. A fence never closed is not a block
-    (the whole text, fence included, then fails to compile: reward 0)."""
-    blocks = _FENCE.findall(text)
-    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
-    if python:
-        return python[-1]
-    return blocks[-1][1] if blocks else text
+    """The code in a completion (CRLF or LF line ends):
+    - fenced blocks: those marked python (```python, ``` python, ```py, ```python3), else those with
+      no language; of these, every block that compiles, in order (a helper, then the solution, then a
+      usage example), else the last one. A fence never closed is not a block: the whole text, fence
+      included, is the code (it does not compile: reward 0; a completion cut at the length limit);
+    - no fence: the whole text when it compiles, else the spans of it that compile (code after or
+      between prose), else the whole text."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    budget = [MAX_COMPILES]
+    with _any_digits():
+        blocks = _fenced_blocks(lines, budget)
+        if blocks is None:
+            return text
+        if blocks:
+            chosen = [code for lang, code in blocks if lang in PYTHON_TAGS] or [code for lang, code in blocks if not lang]
+            if not chosen:
+                return blocks[-1][1]
+            good = [code for code in chosen if _compiles(code)]
+            return "\n".join(good) if good else chosen[-1]
+        if _compiles(text):
+            return text
+        return _unfenced_code(lines, budget) or text
+
+
+def _text_of(content):
+    """A message's content as text: a string, or a list of parts (strings or {"type": "text", "text": ...})."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        return "".join(p if isinstance(p, str) else p.get("text") or "" if isinstance(p, dict) else "" for p in content)
+    return ""
 
 
 def _completion_text(completion):
@@ -490,8 +665,8 @@ def _completion_text(completion):
     after it, is never the model's code; no assistant message: no code)."""
     if isinstance(completion, str):
         return completion
-    answers = [m["content"] for m in completion if m.get("role") == "assistant"]
-    return answers[-1] if answers and isinstance(answers[-1], str) else ""
+    answers = [m.get("content") for m in completion if m.get("role") == "assistant"]
+    return _text_of(answers[-1]) if answers else ""
 
 
 def _tests_of(row, tests):

@@ -15,8 +15,7 @@ Read top to bottom:
    verifier's limits: rlimits; as root no network, every mount read-only but a private /tmp, and
    an unprivileged uid; the process group killed after `timeout` seconds): the tool's file is run there
    again, then the call, and `str()` of what it returns is the reply. So a tool imports the
-   standard library only (the sandbox's interpreter runs with -S; as root, where the dropped uid
-   cannot read the standard library, only the modules of sandbox.PRELOAD), holds no state between calls,
+   standard library only (the sandbox's interpreter runs with -S), holds no state between calls,
    and its reply is cut at sandbox.OUTPUT_CHARS characters (its own prints are silenced, so they
    never push the reply out of those). A malformed call, an unknown tool, a tool that raises and one that times out are not
    errors of the run: the reply is "error: <why>" and the call counts as failed
@@ -76,7 +75,7 @@ def load_tools(spec):
         module_spec = importlib.util.spec_from_file_location(f"tool_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:  # the file is executed, as `python file.py` would: only pass files you trust
-            module_spec.loader.exec_module(module)
+            basics.exec_user_file(module_spec, module)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- the user's file: name it and its error
             basics.fail(f"--tools {item!r}: importing {path} raised {type(e).__name__}: {str(e)[:300]}; fix the file "
                         "(it is executed when loaded) and run again.")
@@ -161,8 +160,8 @@ def execute(calls, tools, timeout=None):
         elif call["name"] not in by_name:
             replies.append((call["name"], f"error: unknown tool {call['name']!r}; the tools are {', '.join(by_name)}", True))
         else:
-            # the file again, then the call (JSON arguments written as a Python literal: the sandbox may
-            # import nothing beyond sandbox.PRELOAD); the reply goes to stdout after MARK
+            # the file again, then the call (JSON arguments written as a Python literal: the sandbox
+            # imports the standard library only); the reply goes to stdout after MARK
             # the tool's own prints are silenced (sys.stdout = None): the sandbox keeps only the first
             # OUTPUT_CHARS characters of the output, and a tool's chatter there would push the reply out
             test = (f"reply = str({call['name']}(**{call['arguments']!r})); "

@@ -275,8 +275,8 @@ def test_a_gguf_file_is_not_read_from_a_folder_made_from_another_file(tmp_path):
     gguf.write_bytes(b"GGUF" + bytes(60))
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
-    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "bytes": 1}))
+    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": "0" * 64}))
     with pytest.raises(SystemExit, match="holds another model than this file"):
         real_model.gguf_folder(str(gguf))
-    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "bytes": 64}))
+    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": real_model.sha256(gguf)}))
     assert real_model.gguf_folder(str(gguf)) == str(tmp_path / "m")

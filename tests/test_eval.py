@@ -441,6 +441,43 @@ def test_cache_key_follows_the_weights_content(tmp_path):
     assert policies.weights_fingerprint(str(folder)) != before
 
 
+def cached_policy(tmp_path, prompts, responses):
+    """A policy folder and a cache file of its responses to `prompts` -> (path, args)."""
+    from rlhf import checkpoints
+
+    folder = tmp_path / "pi"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    args = ev.Args(cache_dir=str(tmp_path / "cache"), do_sample=True)
+    policies.weights_fingerprint.cache_clear()
+    file = policies.cache_file(str(folder), prompts, args)
+    checkpoints.write_json(file, {"key": policies.policy_key(str(folder), args), "prompts": prompts, "responses": responses,
+                                  "truncated": [False] * len(prompts), "completion_ids": [[i] for i in range(len(prompts))]})
+    return str(folder), args
+
+
+def test_fewer_samples_per_prompt_from_the_cache_are_distinct_samples(tmp_path):
+    """--num_samples 4 after --num_samples 8: each prompt's first 4 cached samples, not one sample 4 times."""
+    prompts = ["p"] * 8 + ["q"] * 8
+    path, args = cached_policy(tmp_path, prompts, [f"{p}{i}" for p in "pq" for i in range(8)])
+    file, responses, truncated, ids = policies.cached_generations(path, ["p"] * 4 + ["q"] * 4, args)
+    assert responses == ["p0", "p1", "p2", "p3", "q0", "q1", "q2", "q3"] and ids == [[0], [1], [2], [3], [8], [9], [10], [11]]
+    assert policies.cached_generations(path, ["p"] * 9, args) is None  # more samples than cached: generated again
+
+
+@pytest.mark.parametrize("damage", [b'{"prompts": ["p"], "respon', b"\xff\xfe", b'["not", "a", "cache"]',
+                                    b'{"prompts": ["p"], "responses": [], "truncated": [false], "completion_ids": [[1]]}'])
+def test_an_unreadable_cache_file_is_named_set_aside_and_generated_again(tmp_path, capsys, damage):
+    path, args = cached_policy(tmp_path, ["p"], ["r"])
+    file = policies.cache_file(path, ["p"], args)
+    with open(file, "wb") as f:
+        f.write(damage)
+    assert policies.cached_generations(path, ["p"], args) is None
+    out = capsys.readouterr().out
+    assert f"the generation cache file {file} cannot be read" in out and out.count("\n") == 1
+    assert not os.path.exists(file) and open(file + ".unreadable", "rb").read() == damage
+
+
 def test_group_stats_per_level_with_both_cis():
     """Per-group means (e.g. accuracy per difficulty level): each group's mean of its own prompts;
     with one run the two-level CI is the prompt-only one, with runs that differ it is wider."""
@@ -554,6 +591,9 @@ def test_judge_template_fills_once_and_is_checked(tmp_path, monkeypatch, capsys)
     (tmp_path / "bad.txt").write_text("Which is better, {a} or the other?")
     message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "bad.txt")], monkeypatch, capsys)
     assert "--judge_template" in message and "lacks {prompt}, {b}" in message
+    (tmp_path / "latin1.txt").write_bytes("Réponse {prompt} {a} {b}".encode("latin-1"))
+    message = main_error(ev, ["a", "b", "--judge", "llm:x", "--judge_template", str(tmp_path / "latin1.txt")], monkeypatch, capsys)
+    assert message.strip() == f"error: --judge_template {tmp_path / 'latin1.txt'} is not UTF-8 text (byte 1 is b'\\xe9'); save it as UTF-8."
 
 
 def test_pairwise_reward_model_judge_is_position_debiased(tiny_folders, tmp_path, monkeypatch, capsys):

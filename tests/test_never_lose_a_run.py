@@ -285,3 +285,54 @@ def test_resume_refuses_a_reward_file_or_dataset_that_changed(tmp_path, tiny_qwe
         run_main(grpo, [*resumed, "--resume_allow_changes"], monkeypatch)
         assert f"resume: {files['r.py']} (--reward_fn) changed since {out}/checkpoint-1 was saved" in capsys.readouterr().out
         assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("changed", ["model folder", "dataset folder", "helper module"])
+def test_resume_refuses_a_folder_or_imported_module_that_changed(tmp_path, tiny_qwen, files, monkeypatch, capsys, changed):
+    """The --model folder's weights replaced (a DPO reference too), a --dataset folder rewritten,
+    and a module that the reward file imports edited: each refused as a changed file is."""
+    from safetensors.torch import load_file, save_file
+
+    from rlhf import basics
+
+    monkeypatch.setattr(basics, "USER_IMPORTS", set())  # this test's imports only
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen, model)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(files["prompts.jsonl"], data / "train.jsonl")
+    helper = tmp_path / "lib" / f"sign_{os.getpid()}_{abs(hash(str(tmp_path)))}.py"  # a name no other test imported
+    helper.parent.mkdir()
+    helper.write_text("SIGN = 1.0\n")
+    (tmp_path / "signed.py").write_text(f"import sys\nsys.path.insert(0, {str(helper.parent)!r})\nimport {helper.stem}\n"
+                                        f"def signed(completions, **kw):\n    return [{helper.stem}.SIGN * len(c) for c in completions]\n")
+    out = str(tmp_path / "out")
+    argv = tiny_grpo(str(model), {"prompts.jsonl": str(data)}, "--reward_fn", f"{tmp_path / 'signed.py'}:signed",
+                     "--save_steps", "1", "--output_dir", out)
+    run_main(grpo, argv, monkeypatch)
+    if changed == "model folder":
+        weights = load_file(model / "model.safetensors")
+        save_file({k: v * 1.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
+        expected = f"{model} (--model) is not the folder {out}/checkpoint-1 was trained with (its content changed)"
+    elif changed == "dataset folder":
+        rows = (data / "train.jsonl").read_text().splitlines()
+        (data / "train.jsonl").write_text("\n".join(reversed(rows)) + "\n")
+        expected = f"{data} (--dataset) is not the folder {out}/checkpoint-1 was trained with (its content changed)"
+    else:
+        helper.write_text("SIGN = -1.0\n")
+        expected = (f"{os.path.realpath(helper)} (a module a --reward_fn or --tools file imported) is not the file "
+                    f"{out}/checkpoint-1 was trained with (its content changed)")
+    message = main_error(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch, capsys)
+    assert expected in message and "Restore it, or add --resume_allow_changes" in message
+
+
+def test_resume_with_the_output_inside_the_model_folder(tmp_path, tiny_qwen, files, monkeypatch):
+    """--output_dir inside the --model folder: the run's own logs, which grow, are not part of the
+    model folder's fingerprint, so the resume is not refused."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen, model)
+    out = str(model / "grpo")
+    argv = tiny_grpo(str(model), files, "--reward_fn", f"{files['r.py']}:length", "--save_steps", "1", "--output_dir", out)
+    run_main(grpo, argv, monkeypatch)
+    run_main(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch)
+    assert [r["step"] for r in metrics(out)] == [1, 2]

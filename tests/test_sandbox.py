@@ -19,13 +19,6 @@ SLACK = 3.0  # process start and kill on a loaded 2-core machine
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop and network namespace need root (sandbox.py docstring)")
 
 
-@pytest.fixture(autouse=True)
-def attack_modules(monkeypatch):
-    """Where the unprivileged uid cannot read the standard library (a python under /root, as on
-    the machine these tests were written on), let the attacks import what they need."""
-    monkeypatch.setattr(sandbox, "PRELOAD", sandbox.PRELOAD + ("signal", "shutil", "socket", "subprocess"))
-
-
 def attack(code, timeout=TIMEOUT):
     """Run an attack whose test passes only if it worked: (reward, result, seconds)."""
     start = time.time()

@@ -18,12 +18,6 @@ STASH = f"sandbox-attack-answers-{os.getpid()}"  # what a solving run leaves for
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-@pytest.fixture(autouse=True)
-def attack_modules(monkeypatch):
-    """Where the unprivileged uid cannot read the standard library, let the attacks import what they need."""
-    monkeypatch.setattr(sandbox, "PRELOAD", sandbox.PRELOAD + ("marshal", "gc", "ctypes", "builtins", "ast"))
-
-
 # the harness's data: the module's globals (a harness that runs at module level) or the frame that exec'd the code
 HARNESS_DATA = """
 import sys

@@ -193,3 +193,29 @@ def test_sft_max_length_packing_and_epochs_through_main(tmp_path, tiny_llama, mo
     assert packed[0]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)
     summary = json.load(open(tmp_path / "packed" / "summary.json"))
     assert summary["examples_truncated"] == 0
+
+
+@pytest.mark.parametrize("rows, flags, expected", [
+    ([[("user", None), ("assistant", "bob sold car .")]], [],
+     "row 0, column 'messages', message 0 (user): the content is NoneType None, not text"),
+    ([[("user", "alice bought the bike"), ("assistant", [{"type": "text", "text": "alice bought bike ."}])]], [],
+     "row 0, column 'messages', message 1 (assistant): the content is list [{'type': 'text', 'text': 'alice bought bike .'}], "
+     "not text; write each message's content as one string"),
+    ([[("user", "a b"), ("assistant", "bob ."), ("user", "c d"), ("assistant", "e .")],
+      [("user", "alice bought the bike"), ("assistant", " "), ("user", "what did bob do ?"), ("assistant", "bob lost phone .")]],
+     [], "row 1, column 'messages', message 1: an assistant message before the last one is empty; it would train on the "
+         "end-of-turn token alone"),
+    ([[("user", "alice bought the bike ."), ("assistant", "bob .")], [("user", "alice bought the bike" + " bike" * 40),
+                                                                     ("assistant", "bob lost phone .")]],
+     ["--max_length", "16"], "row 1: no token of its completion is left within --max_length 16 (the prompt alone has "),
+], ids=["content null", "content a list of parts", "an empty assistant turn before the last", "nothing left after --max_length"])
+def test_sft_refuses_messages_it_would_train_wrongly(tmp_path, tiny_llama, monkeypatch, capsys, rows, flags, expected):
+    import sft
+    from conftest import main_error
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in row]}) + "\n" for row in rows))
+    message = main_error(sft, ["--model", tiny_llama, "--dataset", str(path), "--optim", "adamw", "--max_steps", "1",
+                               "--output_dir", str(tmp_path / "o"), *flags], monkeypatch, capsys)
+    first = message.splitlines()[0]  # then the datasets progress lines on stderr
+    assert first.startswith(f"error: {path}, ") and expected in first and first.endswith(".")

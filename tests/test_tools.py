@@ -64,7 +64,7 @@ def slow(x: int) -> int:
     Args:
         x: Anything.
     """
-    while True:  # the sandbox may import nothing beyond sandbox.PRELOAD (time is not in it)
+    while True:
         x += 1
 '''
 

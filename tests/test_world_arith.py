@@ -215,3 +215,11 @@ def test_verifiers_read_the_last_assistant_turn():
     assert arith_lenient(None, [[call, reply]], answer=[85]) == [0.0]  # cut after the reply: no answer of its own
     assert arith_strict(None, [[call, reply, {"role": "assistant", "content": " A: 85"}]], answer=[85]) == [1.0]
     assert arith_strict(None, [[call, reply, {"role": "assistant", "content": " A: 84"}]], answer=[85]) == [0.0]
+
+
+def test_the_verifiers_read_numbers_of_more_than_4300_digits():
+    """Python's int() refuses more than 4300 digits by default; an answer column or a completion
+    with such a number is scored, not a ValueError."""
+    big = "9" * 5000
+    assert arith_strict(["p"] * 2, [f"A: {big}", f"A: {big}8"], [big, big]) == [1.0, 0.0]
+    assert arith_lenient(["p"] * 2, [f"so {big}.", f"{big}7"], [big, big]) == [1.0, 0.0]

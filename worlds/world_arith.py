@@ -52,6 +52,7 @@ teach the policy to call it where its scratchpad fails.
 import json
 import random
 import re
+import sys
 
 
 SPEC = "embedded:arith"  # --dataset value; "embedded:arith:2" (chains), "embedded:arith:1,2" (mixed levels), ...
@@ -164,27 +165,41 @@ def _text(completion):
     return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
+def _number(text):
+    """int() of a decimal integer's text of any length (Python refuses more than 4300 digits by
+    default: a long answer, or a long number a model wrote, is a number all the same)."""
+    text = str(text).strip()
+    if len(text.lstrip("+-")) <= 4000 or not hasattr(sys, "set_int_max_str_digits"):
+        return int(text)
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        return int(text)
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
 def strict_answer(text):
     """The answer after the last "A:", if all that follows it is one number; else None."""
     _, sep, tail = text.rpartition("A:")
     m = _FINAL.fullmatch(sep + tail) if sep else None
-    return int(m.group(1)) if m else None
+    return _number(m.group(1)) if m else None
 
 
 def lenient_answer(text):
     """The last number anywhere in the text, or None."""
     numbers = _NUMBER.findall(text)
-    return int(numbers[-1]) if numbers else None
+    return _number(numbers[-1]) if numbers else None
 
 
 def arith_strict(prompts, completions, answer, **columns):
     """1.0 when the text after the last "A:" is exactly the `answer` column's number, else 0.0."""
-    return [float(strict_answer(_text(c)) == int(a)) for c, a in zip(completions, answer)]
+    return [float(strict_answer(_text(c)) == _number(a)) for c, a in zip(completions, answer)]
 
 
 def arith_lenient(prompts, completions, answer, **columns):
     """1.0 when the last number in the completion equals the `answer` column, else 0.0."""
-    return [float(lenient_answer(_text(c)) == int(a)) for c, a in zip(completions, answer)]
+    return [float(lenient_answer(_text(c)) == _number(a)) for c, a in zip(completions, answer)]
 
 
 VERIFIERS = {"arith_strict": arith_strict, "arith_lenient": arith_lenient}  # --reward_fn names

@@ -57,8 +57,12 @@ def load_judge_template(path):
         return JUDGE_TEMPLATE
     if not os.path.isfile(path):
         basics.fail(f"--judge_template {path}: no such file; pass a text file holding {{prompt}}, {{a}} and {{b}}.")
-    with open(path) as f:
-        template = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except UnicodeDecodeError as e:
+        basics.fail(f"--judge_template {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                    "save it as UTF-8.")
     missing = [k for k in ("{prompt}", "{a}", "{b}") if k not in template]
     if missing:
         basics.fail(f"--judge_template {path} lacks {', '.join(missing)}: the judge would not see "
@@ -129,38 +133,134 @@ def pairwise_first_better(model, tokenizer, prompts, firsts, seconds, batch_size
 
 # ============================================================================ the OpenAI-compatible HTTP judge
 HTTP_WORKERS = 8  # requests in flight at once
+MAX_REPLY_BYTES = 1 << 20  # a chat completion of one token is a few kB; a larger reply is refused unread
 
 
 class JudgeUnreachable(Exception):
     """The HTTP judge gave no usable answer after every try (eval.main turns it into one sentence)."""
 
 
+class JudgeBadAnswer(Exception):
+    """The HTTP judge answered, but not with a verdict: the message names the answer (never retried:
+    at temperature 0 the same question gets the same answer)."""
+
+
+def _shown(response):
+    return basics.brief(json.dumps(response, allow_nan=True), 200)
+
+
 def answer_prob(response):
     """P(the first response is better) from a chat completion: from the answer token's top
-    log-probs when the server gives both "A" and "B" among them, else from the answer's first
-    letter: "A" 1, "B" 0, anything else 0.5 (no preference: a tie after the position swap)."""
-    choice = response["choices"][0]
-    content = (choice.get("logprobs") or {}).get("content") or [{}]
+    log-probs when the server gives both "A" and "B" among them, else from the answer, which must
+    be exactly "A" (1) or "B" (0). Any other answer, a non-finite log-prob or a reply of another
+    shape: JudgeBadAnswer naming it."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        raise JudgeBadAnswer(f"the reply {_shown(response)} holds no choices[0] object")
+    logprobs = choice.get("logprobs") or {}
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    tops = content[0].get("top_logprobs") if isinstance(content, list) and content and isinstance(content[0], dict) else None
     logps = {}
-    for top in content[0].get("top_logprobs") or []:
+    for top in tops if isinstance(tops, list) else ():
+        if not (isinstance(top, dict) and isinstance(top.get("token"), str) and type(top.get("logprob")) in (int, float)):
+            raise JudgeBadAnswer(f"the reply's top_logprobs entry {_shown(top)} is not a token and a number")
         letter = top["token"].strip()
         if letter in ("A", "B"):
+            if not np.isfinite(top["logprob"]):
+                raise JudgeBadAnswer(f"the reply gives the verdict {letter!r} the log-prob {top['logprob']}, which is no "
+                                     "probability")
             logps[letter] = np.logaddexp(logps.get(letter, -np.inf), top["logprob"])
     if len(logps) == 2:
         return float(1 / (1 + np.exp(logps["B"] - logps["A"])))
-    text = ((choice.get("message") or {}).get("content") or "").strip()
-    return {"A": 1.0, "B": 0.0}.get(text[:1], 0.5)
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(text, str) or text.strip() not in ("A", "B"):
+        raise JudgeBadAnswer(f"the judge answered {basics.brief(repr(text), 120)}, which is not a verdict (exactly A or B)")
+    return 1.0 if text.strip() == "A" else 0.0
+
+
+class _Expired(Exception):
+    pass
+
+
+def post_json(url, body, headers, timeout, max_bytes=MAX_REPLY_BYTES):
+    """POST `body` to `url` -> the parsed JSON reply: within `timeout` seconds in all (connection,
+    headers and body: a server that sends one byte a second is cut off at the deadline), at most
+    `max_bytes` of reply, and no redirect followed (the key would go wherever it points).
+    Raises urllib.error.HTTPError for an error status, JudgeUnreachable for a redirect, OSError
+    for a timeout or a broken connection, ValueError for a reply that is too large or not JSON."""
+    import http.client
+    import socket
+    import threading
+    import urllib.error
+    import urllib.parse
+
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    proxy = urllib.request.getproxies().get(parts.scheme)  # HTTP(S)_PROXY, as urllib honours them
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        if parts.scheme == "https":  # a CONNECT tunnel: the proxy never sees the key
+            connection = kind(via.hostname, via.port or 80, timeout=timeout)
+            connection.set_tunnel(parts.hostname, parts.port)
+        else:  # plain HTTP through a proxy: the absolute URL in the request line
+            connection, target = http.client.HTTPConnection(via.hostname, via.port or 80, timeout=timeout), url
+    else:
+        connection = kind(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+    held = []  # the socket, kept: the connection lets go of it once the reply's headers are read
+
+    def expire():  # the deadline: a blocked read returns at once
+        expired.set()
+        for sock in held:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    try:
+        connection.connect()
+        held.append(connection.sock)
+        if expired.is_set():  # the deadline passed while connecting
+            expire()
+        connection.request("POST", target, body, headers)
+        reply = connection.getresponse()
+        if 300 <= reply.status < 400:
+            raise JudgeUnreachable(f"{url} redirected the request to {basics.brief(reply.getheader('Location', '?'), 120)}, "
+                                   "which the judge does not follow (the API key would go there): pass the final URL as "
+                                   "--judge_base_url")
+        if reply.status >= 400:
+            raise urllib.error.HTTPError(url, reply.status, reply.reason, reply.headers, None)
+        data = reply.read(max_bytes + 1)
+        if expired.is_set():  # the read ended at the deadline with part of the reply
+            raise TimeoutError
+        if len(data) > max_bytes:
+            raise ValueError(f"the reply is larger than {max_bytes} bytes")
+        return json.loads(data)
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set():
+            raise TimeoutError(f"no complete reply within {timeout:g} s") from None
+        raise OSError(f"{type(e).__name__}: {basics.brief(e, 120)}") from None
+    finally:
+        timer.cancel()
+        connection.close()
 
 
 def http_first_better(model_name, args, template, prompts, firsts, seconds):
     """Ask an OpenAI-compatible /chat/completions endpoint, one request per question, HTTP_WORKERS
-    at a time: P(the first is better) (n,). Each request waits --judge_timeout seconds and is
+    at a time: P(the first is better) (n,). Each request has --judge_timeout seconds in all and is
     tried 1 + --judge_max_retries times (with 0.5, 1, 2, ... s between tries) unless the server
-    refuses it for good (4xx); then JudgeUnreachable, and no request is left waiting."""
+    refuses it for good (4xx) or redirects it; then JudgeUnreachable, and no request is left
+    waiting. An answer that is not a verdict stops it at once (JudgeBadAnswer)."""
     import concurrent.futures
     import time
     import urllib.error
-    import urllib.request
 
     url = args.judge_base_url.rstrip("/") + "/chat/completions"
     key = os.environ.get(args.judge_api_key_env, "") if args.judge_api_key_env else ""
@@ -173,14 +273,16 @@ def http_first_better(model_name, args, template, prompts, firsts, seconds):
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
-                with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=args.judge_timeout) as r:
-                    return answer_prob(json.load(r))
+                response = post_json(url, body, headers, args.judge_timeout)
             except urllib.error.HTTPError as e:
                 reason = f"HTTP {e.code} {e.reason}"
                 if 400 <= e.code < 500 and e.code not in (408, 429):  # a bad request, key or model: trying again won't help
                     raise JudgeUnreachable(f"{url} refused the request ({reason})") from None
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # timeout, refused, not JSON, no choices
-                reason = f"{type(e).__name__}: {basics.brief(e, 120)}"
+                continue
+            except (OSError, ValueError) as e:  # timeout, refused, too large, not JSON
+                reason = basics.brief(e, 160)
+                continue
+            return answer_prob(response)
         raise JudgeUnreachable(f"{url} gave no answer in {1 + args.judge_max_retries} tries ({reason})")
 
     texts = [fill_template(template, p, a, b) for p, a, b in zip(prompts, firsts, seconds)]

@@ -6,6 +6,7 @@ responses, generated once and cached under a key of its weights' content, the pr
 generation setting. The statistics and the judges stay in eval.py.
 """
 
+import collections
 import functools
 import glob
 import hashlib
@@ -145,28 +146,58 @@ def readable_name(path):
     return re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.normpath(path)))
 
 
+def _read_cache(file):
+    """A cache file's content, or None when it cannot be read (torn, not JSON, not a cache): then
+    it is named, moved aside to FILE.unreadable and the responses are generated again."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            out = json.load(f)
+        lists = ("prompts", "responses", "truncated") + (("completion_ids",) if "completion_ids" in out else ())
+        if not (isinstance(out, dict) and all(isinstance(out.get(k), list) and len(out[k]) == len(out["prompts"])
+                                              for k in lists)):
+            raise ValueError("it does not hold lists of prompts, responses and truncated flags of one length")
+        return out
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        try:
+            os.replace(file, file + ".unreadable")
+            aside = f"it was moved to {file}.unreadable"
+        except OSError as moving:
+            aside = f"it could not be moved aside ({moving.strerror})"
+        print(f"eval: the generation cache file {file} cannot be read ({str(e)[:120]}); {aside} and these responses "
+              "are generated again.")
+        return None
+
+
 def cached_generations(path, prompts, args):
-    """(responses, truncated, completion_ids) from the cache, or None: the file of exactly these
-    prompts, else any file of this policy and these settings whose prompts include every one asked
-    for (--num_prompts 10 after a run on 30 reuses the first 10; with --do_sample, the samples drawn
-    then, which another number of prompts would have drawn differently: every one is still a sample
-    of this policy at these settings)."""
+    """(file, responses, truncated, completion_ids) from the cache, or None: the file of exactly these
+    prompts, else any file of this policy and these settings that holds every prompt asked for at
+    least as many times as asked (--num_prompts 10 after a run on 30 reuses the first 10; with
+    --do_sample, the samples drawn then, which another number of prompts would have drawn
+    differently: every one is still a sample of this policy at these settings). A prompt asked k
+    times (--num_samples k) gets the first k of its cached samples, never one sample k times."""
     exact = cache_file(path, prompts, args)
     key = json.loads(json.dumps(policy_key(path, args)))  # as a file stores it (tuples become lists)
     candidates = [exact] + sorted(glob.glob(os.path.join(glob.escape(args.cache_dir), f"{readable_name(path)}-*.json")))
+    wanted = collections.Counter(prompts)
     for file in candidates:
         if not os.path.isfile(file):
             continue
-        with open(file) as f:
-            out = json.load(f)
-        if "completion_ids" not in out:  # a cache from before completion_ids were kept is generated again
-            continue
-        if file != exact and (out.get("key") != key or not set(prompts) <= set(out.get("prompts", []))):
+        out = _read_cache(file)
+        if out is None or "completion_ids" not in out:  # a cache from before completion_ids were kept is generated again
             continue
         if file == exact:
             return file, out["responses"], out["truncated"], out["completion_ids"]
-        row = {p: i for i, p in enumerate(out["prompts"])}  # a prompt's row in the cached set
-        return file, *([out[k][row[p]] for p in prompts] for k in ("responses", "truncated", "completion_ids"))
+        rows = collections.defaultdict(list)  # a prompt's rows in the cached set, in order
+        for i, p in enumerate(out["prompts"]):
+            rows[p].append(i)
+        if out.get("key") != key or any(len(rows[p]) < k for p, k in wanted.items()):
+            continue
+        taken = collections.Counter()  # the j-th ask of a prompt takes its j-th cached row
+        order = []
+        for p in prompts:
+            order.append(rows[p][taken[p]])
+            taken[p] += 1
+        return file, *([out[k][i] for i in order] for k in ("responses", "truncated", "completion_ids"))
     return None
 
 

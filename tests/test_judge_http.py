@@ -1,0 +1,184 @@
+"""The HTTP judge (rlhf/judges.py) against servers on 127.0.0.1 that misbehave: a redirect to
+another server (which must never receive the key), a reply sent one byte at a time (one deadline
+per request), a reply too large, non-finite log-probs, answers that are not exactly a verdict, and
+replies of the wrong shape: each one sentence, never a wrong probability or a traceback."""
+
+import http.server
+import json
+import threading
+import time
+import types
+
+import pytest
+
+from rlhf import judges
+
+
+def serve(handle):
+    """A server on 127.0.0.1 whose POST is handle(handler) -> (base URL, requests seen: [(path, Authorization)], stop)."""
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append((self.path, self.headers.get("Authorization")))
+            handle(self)
+
+        do_GET = do_POST
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop():
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}/v1", seen, stop
+
+
+def reply_with(payload):
+    def handle(h):
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+    return handle
+
+
+def ask(url, timeout=5.0, retries=0, monkeypatch=None):
+    args = types.SimpleNamespace(judge_base_url=url, judge_api_key_env="JUDGE_TEST_KEY", judge_timeout=timeout,
+                                 judge_max_retries=retries)
+    return judges.http_first_better("judge", args, "{prompt} <<{a}>> <<{b}>>", ["p"], ["a"], ["b"])
+
+
+@pytest.fixture(autouse=True)
+def key(monkeypatch):
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sekret")
+
+
+def test_a_verdict_and_log_probs_are_read():
+    url, _, stop = serve(reply_with({"choices": [{"message": {"content": " B\n"}}]}))
+    try:
+        assert ask(url).tolist() == [0.0]
+    finally:
+        stop()
+    logprobs = {"content": [{"top_logprobs": [{"token": "A", "logprob": -0.1}, {"token": " B", "logprob": -2.4}]}]}
+    url, _, stop = serve(reply_with({"choices": [{"message": {"content": "A"}, "logprobs": logprobs}]}))
+    try:
+        assert ask(url)[0] == pytest.approx(1 / (1 + pow(2.718281828459045, -2.3)))
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_a_redirect_to_another_server_is_not_followed_and_the_key_stays_home(status):
+    other, other_seen, stop_other = serve(reply_with({"choices": [{"message": {"content": "A"}}]}))
+
+    def redirect(h):
+        h.send_response(status)
+        h.send_header("Location", other + "/chat/completions")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, seen, stop = serve(redirect)
+    try:
+        with pytest.raises(judges.JudgeUnreachable, match=r"redirected the request to http://127\.0\.0\.1:\d+/v1/chat/"
+                                                           r"completions, which the judge does not follow"):
+            ask(url, retries=2)
+        assert other_seen == [] and len(seen) == 1  # refused at once, not tried again
+    finally:
+        stop()
+        stop_other()
+
+
+def test_a_reply_sent_one_byte_at_a_time_is_cut_off_at_the_deadline():
+    body = json.dumps({"choices": [{"message": {"content": "A"}}]}).encode()
+
+    def drip(h):
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        for byte in body:
+            try:
+                h.wfile.write(bytes([byte]))
+                h.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.1)  # every read returns within the timeout; the whole reply takes ~4 s
+
+    url, _, stop = serve(drip)
+    try:
+        start = time.time()
+        with pytest.raises(judges.JudgeUnreachable, match=r"gave no answer in 1 tries \(no complete reply within 0.5 s\)"):
+            ask(url, timeout=0.5)
+        assert time.time() - start < 1.5
+    finally:
+        stop()
+
+
+def test_a_reply_larger_than_the_cap_is_refused():
+    url, _, stop = serve(reply_with(b" " * (judges.MAX_REPLY_BYTES + 10) + b"{}"))
+    try:
+        with pytest.raises(judges.JudgeUnreachable, match=r"the reply is larger than 1048576 bytes"):
+            ask(url)
+    finally:
+        stop()
+
+
+def logprob_reply(a, b):
+    return (b'{"choices": [{"message": {"content": "B"}, "logprobs": {"content": [{"top_logprobs": '
+            b'[{"token": "A", "logprob": %s}, {"token": "B", "logprob": %s}]}]}}]}' % (a, b))
+
+
+@pytest.mark.parametrize("reply, message", [
+    (logprob_reply(b"NaN", b"-1.0"), r"the reply gives the verdict 'A' the log-prob nan, which is no probability"),
+    (logprob_reply(b"-1.0", b"Infinity"), r"the reply gives the verdict 'B' the log-prob inf"),
+    ({"choices": [{"message": {"content": "After"}}]}, r"the judge answered 'After', which is not a verdict \(exactly A or B\)"),
+    ({"choices": [{"message": {"content": "Assistant B is better"}}]}, r"answered 'Assistant B is better', which is not"),
+    ({"choices": [{"message": {"content": "a"}}]}, r"answered 'a', which is not a verdict"),
+    ({"choices": [{"message": {"content": None}}]}, r"answered None, which is not a verdict"),
+    ({"choices": [{"message": "A"}]}, r"answered None, which is not a verdict"),
+    ({"choices": ["A"]}, r"the reply \{\"choices\": \[\"A\"\]\} holds no choices\[0\] object"),
+    ({"choices": []}, r"holds no choices\[0\] object"),
+    ([1, 2], r"the reply \[1, 2\] holds no choices\[0\] object"),
+    ({"choices": [{"message": {"content": "A"}, "logprobs": {"content": [{"top_logprobs": [{"token": 5}]}]}}]},
+     r"the reply's top_logprobs entry \{\"token\": 5\} is not a token and a number"),
+])
+def test_an_answer_that_is_not_a_verdict_is_one_sentence_naming_it(reply, message):
+    url, seen, stop = serve(reply_with(reply))
+    try:
+        with pytest.raises(judges.JudgeBadAnswer, match=message):
+            ask(url, retries=2)
+        assert len(seen) == 1  # the same question gets the same answer: not asked again
+    finally:
+        stop()
+
+
+def test_a_reply_that_is_not_json_is_tried_again_then_one_sentence():
+    url, seen, stop = serve(reply_with(b"<html>busy</html>"))
+    try:
+        with pytest.raises(judges.JudgeUnreachable, match=r"/v1/chat/completions gave no answer in 2 tries \(Expecting value"):
+            ask(url, retries=1)
+        assert len(seen) == 2
+    finally:
+        stop()
+
+
+def test_the_http_proxy_of_the_environment_is_used(monkeypatch):
+    """HTTP_PROXY is honoured (as urllib honoured it): the request goes to the proxy, with the
+    judge's absolute URL in the request line."""
+    proxy, seen, stop = serve(reply_with({"choices": [{"message": {"content": "B"}}]}))
+    monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0])
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        assert seen == [("http://judge.example/v1/chat/completions", "Bearer sekret")]
+    finally:
+        stop()
