@@ -4,6 +4,7 @@ checkpoint-12, checkpoint-900 and checkpoint-1000 sort the other way round as te
 (no arguments, "parameters", arguments as a JSON string, several calls in one turn and in one
 <tool_call>), each read, run in the sandbox and answered in its own row."""
 
+import json
 import os
 
 import torch
@@ -126,3 +127,46 @@ def test_several_calls_in_one_turn_each_reach_their_own_row(tmp_path, monkeypatc
         prompt = data.render_prompt(tok, convs[i // 2], schemas)
         assert tok.decode(out.completion_ids[i][out.attention_mask[i].bool()]) == full[len(prompt):].removesuffix("\n")
     assert not out.truncated.any() and torch.equal(out.completion_mask * out.attention_mask, out.completion_mask)
+
+
+EDGES = '''import torch  # importable here, not in the sandbox (standard library only): every call fails there
+
+
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+'''
+
+
+def test_what_parsing_and_the_sandbox_answer_at_their_edges(tmp_path):
+    """Calls nested past the JSON parser's depth, or with more digits than Python converts, are
+    malformed calls with their reason cut at 100 characters, and the calls after them are still
+    read; every malformed call is answered in its row as "unknown", an unknown tool names the
+    tools; a reply that holds the sandbox's own marker comes back whole; a tool file that imports
+    what the sandbox lacks answers with the exception, without the sandbox's "code: " prefix."""
+    deep, digits = "[" * 100_000 + "]" * 100_000, '{"name": "echo", "arguments": {"text": ' + "9" * 5000 + "}}"
+    reasons = []
+    for body in (deep, digits):
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError) as e:
+            reasons.append(f"the tool call cannot be read ({type(e).__name__}: {str(e)[:100]})")
+    assert len(reasons[1]) > 130  # the ValueError's text is longer than the cut
+    calls = tools.parse_tool_calls(f"<tool_call>{deep}</tool_call><tool_call>{digits}</tool_call>"
+                                   '<tool_call>{"name": "echo"}</tool_call><tool_call>1</tool_call><tool_call>{"name": "x"')
+    malformed = 'a tool call must be {"name": <string>, "arguments": <object>}'
+    assert calls == [*reasons, {"name": "echo", "arguments": {}}, malformed, "a <tool_call> is not closed by </tool_call>"]
+    (tmp_path / "t.py").write_text(TOOLS + "\n\n" + EDGES.split("\n\n\n", 1)[1])  # add, pi and echo
+    tool_list = tools.load_tools(f"{tmp_path}/t.py:echo,{tmp_path}/t.py:add")  # not pi
+    text = "a" + tools.MARK + "b"
+    assert tools.execute([{"name": "echo", "arguments": {"text": text}}, malformed, {"name": "nope", "arguments": {}}],
+                         tool_list) == [("echo", text, False), ("unknown", f"error: {malformed}", True),
+                                        ("nope", "error: unknown tool 'nope'; the tools are echo, add", True)]
+    (tmp_path / "edges.py").write_text(EDGES)
+    (failing,) = tools.load_tools(f"{tmp_path}/edges.py:echo")
+    assert tools.execute([{"name": "echo", "arguments": {"text": "hi"}}], [failing]) == [
+        ("echo", "error: ModuleNotFoundError: No module named 'torch'", True)]
