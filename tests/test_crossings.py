@@ -190,9 +190,9 @@ def test_ppo_policy_loss_matrix(cliprange, dual_clip_c, num_tokens, mask_kind):
             continue
         r, A = torch.exp(theirs[i, t] - old[i, t]), float(adv[i, t])
         s = torch.minimum(r * A, min(max(r, f64(1 - cliprange)), f64(1 + cliprange)) * A)
-        clipped += float(r * A) > float(s)
+        clipped += (r * A).item() > s.item()
         if dual_clip_c and A < 0:
-            dual += float(s) < dual_clip_c * A
+            dual += s.item() < dual_clip_c * A
             s = torch.maximum(s, f64(dual_clip_c * A))
         terms.append(-s)
     expected = sum(terms) / (num_tokens or len(terms))
