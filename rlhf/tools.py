@@ -10,7 +10,8 @@ Read top to bottom:
    `tools=` argument when prompts are rendered (data.render_prompt).
 2. `parse_tool_calls(text)`: the calls an assistant turn makes, in the format of Qwen2.5's
    (and Hermes-style) chat templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-   any number of them, anywhere in the turn. Anything else between the tags is a malformed call.
+   any number of them, anywhere in the turn, and the other forms models write (`parse_tool_calls`).
+   Anything else between the tags is a malformed call.
 3. `execute(calls, tools)`: every call runs in sandbox.py's limited subprocess (the execution
    verifier's limits: rlimits; as root no network, every mount read-only but a private /tmp, and
    an unprivileged uid; the process group killed after `timeout` seconds): the tool's file is run there
@@ -114,32 +115,44 @@ CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 def parse_tool_calls(text):
     """The calls in an assistant turn, in order: each {"name": str, "arguments": dict}, or an
     error string for a malformed one (not JSON, no name, arguments not an object, an unclosed
-    <tool_call>). A turn without "<tool_call>" makes no call: []."""
+    <tool_call>). A turn without "<tool_call>" makes no call: [].
+
+    The forms models write besides Qwen2.5's: no "arguments" (or null, or "") for a tool without
+    arguments, "parameters" in their place (Llama 3.1's JSON calls), the arguments as a JSON
+    string (OpenAI's form), and a JSON list of calls in one <tool_call> (Mistral's form)."""
     calls = []
     for body in CALL.findall(text):
         # model output never stops the run: JSON nested too deep for the parser (RecursionError) or an
         # integer of more digits than Python converts (ValueError) is a malformed call like any other
         try:
-            call = json.loads(body)
+            parsed = json.loads(body)
         except json.JSONDecodeError as e:
             calls.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
             continue
         except (ValueError, RecursionError) as e:
             calls.append(f"the tool call cannot be read ({type(e).__name__}: {str(e)[:100]})")
             continue
-        args = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                args = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(args, dict):
-            calls.append('a tool call must be {"name": <string>, "arguments": <object>}')
-            continue
-        calls.append({"name": call["name"], "arguments": args})
+        calls += [read_call(call) for call in (parsed if isinstance(parsed, list) and parsed else [parsed])]
     if text.count("<tool_call>") > len(CALL.findall(text)):  # an opened call never closed
         calls.append("a <tool_call> is not closed by </tool_call>")
     return calls
+
+
+def read_call(call):
+    """One parsed call object -> {"name", "arguments": dict}, or parse_tool_calls' error string."""
+    malformed = 'a tool call must be {"name": <string>, "arguments": <object>}'
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return malformed
+    args = call["arguments"] if "arguments" in call else call.get("parameters")
+    if isinstance(args, str):  # a JSON string; an empty one is no arguments
+        try:
+            args = json.loads(args) if args.strip() else None
+        except (ValueError, RecursionError):
+            return malformed
+    args = {} if args is None else args  # a tool without arguments: the key left out, null or ""
+    if not isinstance(args, dict):
+        return malformed
+    return {"name": call["name"], "arguments": args}
 
 
 # ============================================================================ 3. executing

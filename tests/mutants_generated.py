@@ -1,6 +1,7 @@
 """Generated mutants: mutmut (https://github.com/boxed/mutmut, 3.x) writes every one-line mutant
 its operators know in the equation functions of the algorithm files (losses, advantages, GAE, KL,
-clipping, eval's statistics; TARGETS below) and runs, for each, the tests that cover that file
+clipping, eval's statistics) and in some plumbing (tool-call parsing, checkpoint order; TARGETS
+below) and runs, for each, the tests that cover that file
 (TESTS below; the fast ones: unit tests against the equations and the main() spies of
 test_main_calls.py). Unlike tests/mutants.py, no one chose these mutants: the score measures the
 suite, not a list written against it. Not part of `make test` (make mutants-generated).
@@ -35,6 +36,10 @@ TARGETS = {
     "eval.py": ["outcomes_from_scores", "outcomes_from_probs", "bootstrap_indices", "resample_counts", "bootstrap_plan",
                 "resampled_totals", "percentile_ci", "mean_cis", "pass_at_k", "pass_at_k_stats", "group_stats",
                 "win_rate_stats", "win_matrix", "bradley_terry_elo", "unbounded_elo", "expected_wins"],
+    # plumbing where a slip needs two conditions at once (a boundary, several calls or rows)
+    "rlhf/tools.py": ["parse_tool_calls", "read_call", "execute"],
+    "rlhf/checkpoints.py": ["delete_old_checkpoints", "checkpoints", "last_checkpoint", "_earlier_checkpoints",
+                            "abandon_newer_checkpoints"],
 }
 T = "tests/"
 TESTS = {
@@ -65,6 +70,14 @@ TESTS = {
                T + "test_sft.py::test_two_micro_batches_train_like_one_of_twice_the_size",
                T + "test_flag_effects.py::test_length_flags_cut_what_each_script_encodes[sft]", T + "test_equation_edges.py"],
     "eval.py": [T + "test_eval.py", T + "test_eval_stats.py", "-k", "not end_to_end and not methods_from_the_command_line"],
+    "rlhf/tools.py": [T + "test_tools.py::test_parse_tool_calls", T + "test_tools.py::test_one_call_context_and_mask",
+                      T + "test_boundaries.py::test_the_forms_of_a_tool_call_models_write",
+                      T + "test_boundaries.py::test_several_calls_in_one_turn_each_reach_their_own_row",
+                      T + "test_boundaries.py::test_what_parsing_and_the_sandbox_answer_at_their_edges"],
+    "rlhf/checkpoints.py": [T + "test_boundaries.py::test_checkpoints_are_ordered_by_step_not_by_name",
+                            T + "test_trl_knobs.py::test_small_knobs",
+                            T + "test_run_folder.py::test_resuming_an_older_checkpoint_abandons_the_newer_ones",
+                            T + "test_resume.py::test_training_state_round_trips_optimizer_scheduler_and_rng"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
 
@@ -98,7 +111,12 @@ def run_file(name, mutmut, timeout):
                 os.makedirs(os.path.join(copy, os.path.dirname(f)), exist_ok=True)
                 shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
         fence(os.path.join(copy, name), TARGETS[name])
-        also = [f for f in [*TARGETS, *OTHER] if f != name]
+        also = []
+        for f in [*TARGETS, *OTHER]:
+            if f.endswith("/") and name.startswith(f):  # the mutated file's own folder: its other files only
+                also += sorted(os.path.join(f, g) for g in os.listdir(os.path.join(copy, f)) if os.path.join(f, g) != name)
+            elif f != name:
+                also.append(f)
         with open(os.path.join(copy, "setup.cfg"), "w") as f:
             f.write("[mutmut]\nsource_paths=\n    " + name + "\nalso_copy=\n" + "".join(f"    {a}\n" for a in also)
                     + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in TESTS[name]))

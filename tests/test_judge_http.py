@@ -1,4 +1,4 @@
-"""The HTTP judge (rlhf/judges.py) against servers on 127.0.0.1 that misbehave: a redirect to
+"""The HTTP judge (rlhf/evaluation/judges.py) against servers on 127.0.0.1 that misbehave: a redirect to
 another server (which must never receive the key), a reply sent one byte at a time (one deadline
 per request), a reply too large, non-finite log-probs, answers that are not exactly a verdict, and
 replies of the wrong shape: each one sentence, never a wrong probability or a traceback."""
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from rlhf import judges
+from rlhf.evaluation import judges
 
 
 def serve(handle):
