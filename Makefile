@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install real-model demo demo-real real-more demo-real-seeds real-seeds-eval demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: install real-model test-readme demo demo-real real-more demo-real-seeds real-seeds-eval demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -94,7 +94,7 @@ REAL ?= $(call real_dir,$(SEED))
 REAL_EVAL = --dataset embedded:ifeval --reward_fn ifeval_strict --group_by family --max_completion_length 40 --eval_batch_size 50
 REAL_GRPO ?= --num_generations 4 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 32 --save_steps 32
 REAL_PAIRS ?= --num_prompts 192 --num_samples 4 --pairs_per_prompt 4 --max_completion_length 32 --temperature 0.7
-REAL_DPO ?= --learning_rate 2e-5 --rpo_alpha 1.0 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
+REAL_DPO ?= --learning_rate 2e-5 --rpo_alpha 1.0 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48 --warmup_steps 5
 REAL_STAGES = real-grpo real-eval-base real-pairs real-dpo real-eval-grpo real-eval-dpo
 .PHONY: $(REAL_STAGES) real-eval
 define real_stage
@@ -132,7 +132,7 @@ real-eval: real-eval-grpo real-eval-dpo
 # Bradley-Terry model trained on demo-real's verifier-labelled pairs, then PPO against that reward
 # model (the critic starts from it), with the verifier only in the evaluation. Each gets eval.py
 # against the base, as GRPO and DPO do.
-REAL_ONLINE ?= --reward_fn ifeval_strict --batch_size 16 --gradient_accumulation_steps 1 --max_new_tokens 32 --temperature 0.7 --learning_rate 2e-5 --rpo_alpha 1.0 --max_steps 48 --save_steps 48
+REAL_ONLINE ?= --reward_fn ifeval_strict --batch_size 16 --gradient_accumulation_steps 1 --max_new_tokens 32 --temperature 0.7 --learning_rate 2e-5 --rpo_alpha 1.0 --max_steps 48 --save_steps 48 --warmup_steps 5
 REAL_REWARD ?= --learning_rate 1e-5 --batch_size 8 --gradient_accumulation_steps 1 --num_train_epochs 2 --max_completion_length 48
 REAL_PPO ?= --batch_size 8 --gradient_accumulation_steps 1 --num_mini_batches 2 --max_completion_length 32 --temperature 0.7 --num_ppo_epochs 1 --learning_rate 1e-5 --max_steps 24 --save_steps 24
 REAL_MORE_STAGES = real-online real-reward real-ppo real-eval-online real-eval-ppo
@@ -218,6 +218,11 @@ demo-code: install
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests --ignore=tests/test_real_model_trl.py
+
+# The README's "Train your own model" block, run as written on the real model, each command timed
+# (bench/readme_commands.py; a few minutes each on 2 cores, so not part of `make test`).
+test-readme: real-model
+	OMP_NUM_THREADS=2 $(PYTHON) bench/readme_commands.py
 
 # The real model against TRL 1.16 itself (tests/test_real_model_trl.py): every script's saved folder loads in
 # transformers, peft and TRL's trainers, and one SFT, DPO and GRPO step has TRL's loss. Needs make real-model

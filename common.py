@@ -201,8 +201,10 @@ def parse_args(cls, default_output_dir=None):
             fail(f"--report_to {args.report_to} needs the {module} package: pip install {module} (or drop --report_to).")
     if args.num_train_epochs < 0 or args.save_total_limit < 0 or args.eval_steps < 0:
         fail("--num_train_epochs, --save_total_limit and --eval_steps must be >= 0.")
-    if args.num_train_epochs and passed("max_steps"):
+    if passed("num_train_epochs") and passed("max_steps"):
         fail("pass --num_train_epochs or --max_steps, not both (--num_train_epochs sets the number of steps).")
+    if passed("max_steps"):  # a script whose default is epochs (sft.py, reward.py) trains the steps asked for
+        args.num_train_epochs = 0.0
     if args.eval_steps and not (args.eval_dataset or getattr(args, "test_size", 0)):  # reward.py holds out --test_size
         fail(f"--eval_steps {args.eval_steps} needs --eval_dataset (held-out data in --dataset's format).")
     if getattr(args, "eval_reward_fn", "") and not args.eval_dataset:  # grpo.py, ppo.py
@@ -248,6 +250,14 @@ def apply_defaults(args, embedded):
     return args
 
 
+def print_step(prompts, per_prompt, micro_sequences, trl, note=""):
+    """One line at the start of a run: what one optimizer step holds (over every rank), and the
+    TRL settings of the same step, so a step's cost is known before it runs."""
+    if parallel.is_main():
+        print(f"{script_name()}: one optimizer step = {prompts} prompts x {per_prompt} completions = {prompts * per_prompt} "
+              f"sequences, in micro-batches of {micro_sequences}{f' ({note})' if note else ''}; in TRL: {trl}")
+
+
 # TRL (transformers.TrainingArguments) flags this project spells differently: ours, and how they differ
 TRL_NAMES = {
     "per_device_train_batch_size": ("batch_size", ""), "per_device_eval_batch_size": ("eval_batch_size", ""),
@@ -256,6 +266,23 @@ TRL_NAMES = {
     "warmup_ratio": ("warmup_steps", "a number of steps, not a fraction of them"),
     "max_length": ("max_prompt_length", "prompts and completions are cut separately: also see --max_completion_length"),
     "save_strategy": ("save_steps", "0: final save only"), "logging_dir": ("output_dir", "metrics.jsonl and trackers write there"),
+    "eval_strategy": ("eval_steps", "0: evaluate at the end only"), "evaluation_strategy": ("eval_steps", "0: evaluate at the end only"),
+    "logging_strategy": ("logging_steps", ""), "max_seq_length": ("max_length", "TRL's older name"),
+    "reward_funcs": ("reward_fn", "comma-separated: built-in names, file.py:function"),
+    "reward_model_path": ("reward_model", ""), "sft_model_path": ("model", ""),
+    "precompute_ref_log_probs": ("precompute_ref_logps", ""), "response_length": ("max_completion_length", ""),
+    "total_episodes": ("max_steps", "rollout batches, not episodes"), "vllm_mode": ("use_vllm", "colocate only: the engine runs in the training process"),
+    # TRL flags with no flag here, and why
+    "assistant_only_loss": ("", "sft.py always trains on the assistant turns of `messages` rows only (TRL's assistant_only_loss=True), with no flag"),
+    "completion_only_loss": ("", "sft.py always trains on the completion of prompt/completion rows only (TRL's completion_only_loss=True), with no flag"),
+    "dataset_text_field": ("", "the scripts read TRL's dataset formats by their column names (text; prompt and completion; messages; prompt, chosen and rejected): rename your column"),
+    "disable_dropout": ("", "dropout is always off (TRL's disable_dropout=True)"),
+    "center_rewards_coefficient": ("", "reward.py stores the mean score of the chosen responses (reward_mean) and the RL scripts subtract it"),
+    "generation_batch_size": ("", "each micro-batch of --batch_size prompts is sampled (--num_generations each) and trained on in the same step"),
+    "steps_per_generation": ("", "one rollout serves --num_iterations optimizer steps"),
+    "use_liger_kernel": ("", "the log-probs are computed with a chunked head already (rlhf/sampling.py), no fused kernel is needed"),
+    "model_init_kwargs": ("", "pass --dtype and --attn_implementation"),
+    "push_to_hub": ("", "the scripts save folders that load with from_pretrained; upload one with `huggingface-cli upload`"),
 }
 
 
@@ -273,6 +300,8 @@ def unknown_flag_message(cls, unknown):
     if ours in fields:
         return (f"unknown flag {flag}: TRL's --{name} is --{ours} here ({fields[ours].metadata.get('help', '')}"
                 + (f"; {note}" if note else "") + ").")
+    if note and not ours:  # a TRL flag this project has no flag for
+        return f"unknown flag {flag}: TRL's --{name} has no flag here: {note}."
     close = [f for f in fields if name.replace("-", "_") in f or f in name]
     return f"unknown flag {flag}" + (f" (did you mean --{close[0]}?)" if close else "") + "; see --help for the flags."
 
@@ -342,6 +371,9 @@ def make_optimizer(model, args):
 def make_scheduler(optimizer, args):
     from transformers import get_scheduler
 
+    if args.warmup_steps >= args.max_steps and parallel.is_main():
+        print(f"{script_name()}: note: --warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the learning rate "
+              f"never reaches --learning_rate {args.learning_rate:g} (it ends at {args.learning_rate * args.max_steps / max(args.warmup_steps, 1):.3g}).")
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
                          num_training_steps=args.max_steps)
 

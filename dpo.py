@@ -73,9 +73,9 @@ class Args(SamplingArgs):
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1)."})
     # optimisation
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; offline cycles through the pairs as needed."})
-    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (TRL's DPOConfig)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name."})
-    warmup_steps: int = field(default=5, metadata={"help": "Linear warm-up steps."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
     batch_size: int = field(default=8, metadata={"help": "Preference pairs (offline) or prompts (online) per micro-batch."})
 
 
@@ -85,7 +85,8 @@ def embedded_defaults(args):
     offline pairs; RPO's NLL term answers those noisy pairs, so other datasets train plain DPO."""
     rpo = not args.online and args.dataset == common.EMBEDDED
     return {"learning_rate": 3e-4 if args.online else 1e-5, "rpo_alpha": 1.0 if rpo else 0.0,
-            "max_steps": 250 if args.online else 500, "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32}
+            "max_steps": 250 if args.online else 500, "max_new_tokens": 48, "temperature": 0.7, "batch_size": 32,
+            "warmup_steps": 5}
 
 
 def validate(args):
@@ -384,6 +385,9 @@ def main():
     eval_ds = data.eval_data(args)  # held-out preference pairs, online too
     eval_texts = render_triples(tokenizer, data.preference_triples(eval_ds, args.eval_dataset)) if eval_ds is not None else None
     data.set_max_steps(args, n_examples, args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+    common.print_step(args.batch_size * args.gradient_accumulation_steps * parallel.world_size(), 2, 2 * args.batch_size,
+                      f"per_device_train_batch_size={args.batch_size}, gradient_accumulation_steps={args.gradient_accumulation_steps}",
+                      "" if args.online else "a pair's two responses")
     print(f"{script}: {n_examples} {'prompts' if args.online else 'preference pairs'} from "
           f"{data.dataset_name(args.dataset)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss {args.loss_type}, beta {args.beta}, device {device}")
@@ -419,7 +423,7 @@ def main():
     for step in pbar:
         rows, num_tokens = [], 0
         sync_metrics = rollouts.load_weights(sampler, model)  # online: the sampler samples with the current weights
-        for micro in range(args.gradient_accumulation_steps):
+        for micro in tracking.within(range(args.gradient_accumulation_steps), "micro-batch"):
             # 1. the batch: dataset pairs (offline) or fresh samples labelled by the judge (online); this
             # rank's slice of the global micro-batch, whose number is the position in the data
             idx = data.rank_batch(n_examples, args.batch_size, args.seed, step * args.gradient_accumulation_steps + micro)

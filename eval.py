@@ -384,6 +384,30 @@ def pass_ks(args):
     return ks
 
 
+def warn_if_training_prompts(args, methods, split):
+    """A score on the prompts a policy trained on measures memory, not skill: say so when a run's
+    args.json names the evaluated dataset as its training data, or, for a file evaluated whole,
+    that no held-out split was chosen."""
+    evaluated = os.path.abspath(args.dataset) if os.path.exists(args.dataset) else args.dataset
+    for name, paths in methods:
+        for path in paths:
+            try:
+                with open(os.path.join(path, "args.json")) as f:
+                    run_args = json.load(f)
+            except (OSError, ValueError):
+                continue  # a Hub model or a folder saved elsewhere: its training data is unknown
+            trained = run_args.get("dataset", "")
+            trained = os.path.abspath(trained) if os.path.exists(trained) else trained
+            same_split = run_args.get("dataset_split", "train") == args.dataset_split
+            if trained == evaluated and (os.path.isfile(args.dataset) or same_split):
+                print(f"eval: warning: {name} ({path}) was trained on {data.dataset_name(args.dataset)}, the prompts "
+                      "evaluated here: its score measures what it saw in training. Pass held-out prompts (--dataset).")
+                return
+    if split == "file":
+        print(f"eval: note: every row of {args.dataset} is evaluated; if a policy trained on these prompts, pass a "
+              "held-out file instead.")
+
+
 def judge_name(kind, args):
     """The judge as reports name it: the reward functions by their own names, else the --judge spec."""
     if kind != "gold":
@@ -510,6 +534,7 @@ def main():
     num_runs = sum(len(paths) for _, paths in methods)
     print(f"eval: {len(methods)} methods ({num_runs} runs) on {n} prompts of {data.dataset_name(args.dataset)} ({split}), "
           f"judge {judge_name(kind, args)}")
+    warn_if_training_prompts(args, methods, split)
 
     # ---- generate: the same prompts, settings and seed for every run of every method
     names = [name for name, _ in methods]
@@ -654,7 +679,9 @@ def main():
         return row
 
     results = {
-        "settings": {"judge": args.judge, "judge_name": judge_name(kind, args), "verifier": verifier,
+        # the judge as what it is: the gold judge, the reward functions by name (reward_fn:...), or --judge's model
+        "settings": {"judge": f"reward_fn:{judge_name(kind, args)}" if kind == "gold" and args.reward_fn != "gold" else args.judge,
+                     "judge_name": judge_name(kind, args), "verifier": verifier,
                      "reward_fn": args.reward_fn, "reward_weights": args.reward_weights, "reward_fns": fn_names, "dataset": data.dataset_name(args.dataset),
                      "num_prompts": n, "num_bootstrap": args.num_bootstrap, "tie_margin": args.tie_margin,
                      "judge_template": args.judge_template, "judge_base_url": args.judge_base_url,

@@ -36,8 +36,9 @@ Departures from the paper and from TRL:
   correction of the KL by that ratio is not applied.
 - Tool replies (--tools) are read, never trained on: every sum over t runs over the model's own
   tokens (completion_mask), and so do the KL, the entropy and the token counts.
-- Defaults suit a pretrained model; the embedded world's tiny policy has its own
-  (EMBEDDED_DEFAULTS: at temperature 1.0 it collapses to the empty summary).
+- Defaults suit a pretrained model, a step as TRL's (one prompt x 8 completions; docs/trl.md lists
+  what differs); the embedded world's tiny policy has its own (EMBEDDED_DEFAULTS: at temperature
+  1.0 it collapses to the empty summary).
 """
 
 import os
@@ -98,7 +99,7 @@ class Args(SamplingArgs):
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
     batch_size: int = field(default=1, metadata={"help": "Prompts per micro-batch, each with --num_generations completions."})
-    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step (TRL's step: 1 prompt x 8 completions)."})
     eval_batch_size: int = field(default=200, metadata={"help": "Prompts per generation batch when scoring the test split."})
 
 
@@ -445,6 +446,9 @@ def main():
     # --num_train_epochs: each rollout of batch_size prompts (per micro-batch) serves num_iterations steps
     data.set_max_steps(args, len(ds) * args.num_iterations,
                        args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
+    common.print_step(args.batch_size * args.gradient_accumulation_steps * parallel.world_size(), G, args.batch_size * G,
+                      f"per_device_train_batch_size={args.batch_size * G}, num_generations={G}, "
+                      f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
 
     # ---- models: policy (LoRA adapters on a frozen base with --use_peft), reference (only if beta > 0), rewards
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
@@ -486,7 +490,7 @@ def main():
         if step % args.num_iterations == 0:
             batches, metrics_per_micro, samples = [], [], []
             sync_metrics = rollouts.load_weights(sampler, model)  # the sampler samples with the current weights
-            for micro in range(args.gradient_accumulation_steps):
+            for micro in tracking.within(range(args.gradient_accumulation_steps), "sampling"):
                 # this rank's prompts of the global batch; the rollout's number is the position in the data
                 idx = data.rank_batch(len(ds), args.batch_size, args.seed,
                                       (step // args.num_iterations) * args.gradient_accumulation_steps + micro)
@@ -521,7 +525,7 @@ def main():
 
         # 5. update: one optimizer step over the rollout's micro-batches
         step_metrics = []
-        for mb in batches:
+        for mb in tracking.within(batches, "update"):
             # log pi(y_t | x, y_<t) in the full context the model read; the loss weighs them by completion_mask
             logprobs, entropy = sampling.completion_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                                              mb["attention_mask"], args.temperature, with_entropy=True)

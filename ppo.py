@@ -87,7 +87,7 @@ class Args(SamplingArgs):
     max_steps: int = field(default=30, metadata={"help": "Rollout batches (each followed by num_ppo_epochs * num_mini_batches optimizer steps)."})
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate of the policy and the critic."})
     batch_size: int = field(default=8, metadata={"help": "Prompts per micro-batch (generation and forward passes)."})
-    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per minibatch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per minibatch (one optimizer step)."})
     # memory
     offload_frozen: bool = field(default=False, metadata={"help": "Keep the reference and reward model on the CPU between their forward passes."})
 
@@ -371,7 +371,7 @@ def sample_rollout(sampler, policy, prompt_ids, prompt_mask, prompts, args, step
     b = args.batch_size
     sync_metrics = rollouts.load_weights(sampler, policy)
     parts = [rollouts.sample(sampler, policy, prompt_ids[s:s + b], prompt_mask[s:s + b], prompts[s:s + b], 1, (step, s))
-             for s in range(0, len(prompts), b)]
+             for s in tracking.within(range(0, len(prompts), b), "sampling")]
     rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
     return rollouts.concat(parts, sampler.tokenizer.pad_token_id), sync_metrics
 
@@ -442,6 +442,9 @@ def main():
     raw_prompts = ds["prompt"]
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
     data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
+    common.print_step(args.batch_size * args.gradient_accumulation_steps * parallel.world_size(), 1, args.batch_size,
+                      "none: TRL 1.16 has no PPO trainer", f"{rollout_batch} prompts a rollout, "
+                      f"{args.num_ppo_epochs * args.num_mini_batches} optimizer steps on it")
     reward_fns = common.load_reward_fns(args.reward_fn, args.reward_weights) if args.reward_fn else None
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn)  # {name: fn}: scored on --eval_dataset, never trained on
     common.check_reward_datasets(reward_fns[0] if reward_fns else [], eval_fns.values(), ds, eval_ds, args)
@@ -509,7 +512,7 @@ def main():
             for start in range(0, rollout_batch, mb_size):
                 micro_idx = [perm[m:m + args.batch_size] for m in range(start, start + mb_size, args.batch_size)]
                 num_tokens = minibatch_tokens([batch["completion_mask"][i] for i in micro_idx])
-                for mb_idx in micro_idx:
+                for mb_idx in tracking.within(micro_idx, f"epoch {epoch + 1} update"):
                     mb = slice_batch(batch, mb_idx)
                     mb_mask = mb["completion_mask"].float()
                     logprobs, entropy, mb_values = policy_and_values(policy, critic, mb, args.temperature)

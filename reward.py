@@ -51,7 +51,7 @@ from common import TrainArgs
 # layer above the policy's two reads at the last token which fact a clause copies; warmup_steps 100 keeps
 # that new layer from missing the wrong actions; eval_steps 300: each evaluation scores all 1600 test pairs.
 EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "lr_scheduler_type": "cosine", "warmup_steps": 100, "batch_size": 32,
-                     "max_steps": 1200, "expand_layers": 1, "eval_steps": 300}
+                     "max_steps": 1200, "expand_layers": 1, "eval_steps": 300, "num_train_epochs": 0.0}
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Args(TrainArgs):
     max_prompt_length: int = field(default=512, metadata={"help": "Prompts are cut to their last this-many tokens."})
     max_completion_length: int = field(default=256, metadata={"help": "Responses are cut to their first this-many tokens (EOS included)."})
     # optimisation (defaults for a pretrained model; EMBEDDED_DEFAULTS for the embedded world's tiny one)
-    max_steps: int = field(default=400, metadata={"help": "Optimizer steps; cycles through the pairs as needed."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training pairs (TRL's 3), which set the number of steps; --max_steps N trains N steps instead."})
+    max_steps: int = field(default=400, metadata={"help": "Optimizer steps (with --num_train_epochs 0 or when passed); cycles through the pairs as needed."})
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate (embedded world: 3e-4)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (embedded world: cosine)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (embedded world: 100)."})
@@ -220,6 +221,10 @@ def main():
                                        sampling.stop_token_ids(model, tokenizer))
     print(f"{script}: {len(train_triples)} train / {len(test_triples)} test pairs from {data.dataset_name(args.dataset)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, device {device}")
+    if not args.eval_dataset:  # TRL's RewardTrainer holds out nothing: say where the test pairs come from
+        print(f"{script}: the {len(test_triples)} test pairs are --test_size {args.test_size:g} of --dataset, held out of "
+              "training for the test accuracy (pass --eval_dataset to train on every pair)"
+              + (f"; with so few, the accuracy moves by 1/{len(test_triples)} a pair" if len(test_triples) < 50 else "") + ".")
 
     # ---- optimizer
     optimizer = common.make_optimizer(model, args)

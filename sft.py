@@ -55,7 +55,7 @@ from common import TrainArgs
 
 # what training the embedded world's tiny policy from scratch needs (common.apply_defaults)
 EMBEDDED_DEFAULTS = {"learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 30, "weight_decay": 0.01,
-                     "batch_size": 32, "max_steps": 1000}
+                     "batch_size": 32, "max_steps": 1000, "num_train_epochs": 0.0}
 
 
 @dataclass
@@ -70,7 +70,8 @@ class Args(TrainArgs):
     num_layers: int = field(default=2, metadata={"help": "From-scratch model only (any --dataset): number of layers of the tiny Qwen2."})
     scratch_tokenizer: str = field(default="", metadata={"help": "From-scratch model only: char | word, a tokenizer fitted to the training text. Default: the TL;DR world's own byte-level tokenizer on 'embedded' (world.build_tokenizer), char on embedded:arith and embedded:code, word on other datasets."})
     # optimisation (TRL's defaults for a pretrained model; EMBEDDED_DEFAULTS for the from-scratch one)
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps; cycles through the data as needed."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over --dataset (TRL's 3), which set the number of steps; --max_steps N trains N steps instead."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps (with --num_train_epochs 0 or when passed); cycles through the data as needed."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (from scratch: 1e-3)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name (from scratch: cosine)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (from scratch: 30)."})

@@ -5,6 +5,7 @@ and --log_completions' sample tables.
 
 import json
 import os
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +31,7 @@ class MetricsLogger:
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.tracker = None
         self.window, self.num_tokens, self.num_tokens_before = [], 0, 0
+        self.steps, self.first_step, self.max_steps = start_step, start_step + 1, args.max_steps  # the time estimate
         if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
             return
         checkpoints.claim_output_dir(args)
@@ -60,9 +62,16 @@ class MetricsLogger:
             self.tracker = wandb.init(config=vars(args), dir=args.output_dir)
 
     def update(self, metrics, num_tokens=0):
-        """One step's metrics into the logging window; `num_tokens` this rank trained on in it."""
+        """One step's metrics into the logging window; `num_tokens` this rank trained on in it.
+        After the run's first step: how long the rest will take at its pace."""
         self.window.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or torch.is_tensor(v)})
         self.num_tokens += int(num_tokens)
+        self.steps += 1
+        if self.steps == self.first_step and _RUN["start"] is not None and parallel.is_main():
+            took, left = time.time() - _RUN["start"], self.max_steps - self.steps
+            if left:
+                tqdm.write(f"{basics.script_name()}: step {self.steps} took {duration(took)}; the other {left} steps "
+                           f"take about {duration(took * left)} at this pace (the first step also warms up).")
 
     def log(self, step, metrics=None, pbar=None):
         """Write the window's mean plus `metrics`, then start a new window. Under torchrun,
@@ -171,9 +180,34 @@ def log_completions(args, step, prompts, completions, rewards):
     tqdm.write("\n".join(lines))
 
 
+_RUN = {"bar": None, "start": None}  # the training loop's progress bar and when it started (`within`, the time estimate)
+
+
 def progress(args, start=0, desc=None):
-    return tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
-                dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
+               dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
+    _RUN.update(bar=bar, start=time.time())
+    return bar
+
+
+def within(items, what):
+    """The items of one step (its micro-batches, say), each shown beside the progress bar as
+    `what i/n` while the step runs, so that a step of minutes shows what it is doing."""
+    items, bar = list(items), _RUN["bar"]
+    for i, item in enumerate(items):
+        if bar is not None and not bar.disable:  # redrawn at most every mininterval (a log file stays short)
+            bar.set_postfix_str(f"{what} {i + 1}/{len(items)}", refresh=time.time() - bar.last_print_t >= bar.mininterval)
+        yield item
+
+
+def duration(seconds):
+    """12 s, 4 min 10 s, 2 h 05 min."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def mean_metrics(rows):

@@ -700,3 +700,30 @@ def test_http_judge_against_a_local_server(tiny_folders, judge_server, tmp_path,
         assert f"--judge http:judge-7b: {url}/{where}/v1/chat/completions gave no answer in {1 + int(retries)} tries" in message
         assert "check --judge_base_url" in message and time.time() - start < 20
         assert len(seen) == 1 + int(retries)
+
+
+def test_eval_warns_when_it_scores_a_policys_training_prompts(tmp_path, capsys):
+    """A run whose args.json names the evaluated file as its training data: eval.py says its score
+    measures what it saw in training; a file no run trained on is only noted as evaluated whole;
+    the embedded world's test split against its train split is neither."""
+    from types import SimpleNamespace
+
+    import eval as eval_script
+
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text('{"prompt": "x"}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"dataset": str(data_file), "dataset_split": "train"}))
+    args = SimpleNamespace(dataset=str(data_file), dataset_split="test")
+    eval_script.warn_if_training_prompts(args, [("grpo", [str(run)])], "file")
+    assert "was trained on" in capsys.readouterr().out
+    other = tmp_path / "held_out.jsonl"
+    other.write_text('{"prompt": "y"}\n')
+    eval_script.warn_if_training_prompts(SimpleNamespace(dataset=str(other), dataset_split="test"), [("grpo", [str(run)])], "file")
+    printed = capsys.readouterr().out
+    assert "was trained on" not in printed and "every row of" in printed
+    (run / "args.json").write_text(json.dumps({"dataset": "embedded", "dataset_split": "train"}))
+    eval_script.warn_if_training_prompts(SimpleNamespace(dataset="embedded", dataset_split="test"), [("grpo", [str(run)])],
+                                         "test split")
+    assert capsys.readouterr().out == ""

@@ -32,7 +32,7 @@ def test_the_embedded_policy_keeps_its_tuned_defaults_and_flags_win(monkeypatch,
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--model", qwen15_config, "--learning_rate", "3e-6"])
     args = common.apply_defaults(common.parse_args(grpo.Args), grpo.EMBEDDED_DEFAULTS)
     assert (args.learning_rate, args.max_completion_length, args.temperature) == (3e-6, 256, 1.0)
-    assert (args.batch_size, args.gradient_accumulation_steps) == (1, 8)  # 8 completions per micro-batch, as TRL
+    assert (args.batch_size, args.gradient_accumulation_steps) == (1, 1)  # one prompt x 8 completions a step, as TRL
 
 
 def test_text_the_tokenizer_cannot_read_is_refused():

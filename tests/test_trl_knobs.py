@@ -255,3 +255,78 @@ def test_grpo_on_a_foreign_llama_with_samples_and_eval(tmp_path, tiny_llama):
     rows = [json.loads(x) for x in open(out / "completions.jsonl")]
     assert len(rows) == 4 * 2 * 2 and {"prompt", "completion", "mentions_answer", "reward", "advantage"} <= set(rows[0])
     assert "eval_reward" in json.load(open(out / "summary.json"))
+
+
+@pytest.mark.parametrize("script", ["sft", "reward", "dpo", "grpo", "ppo"])
+def test_every_trl_name_gets_a_pointer(script):
+    """A TRL flag spelled otherwise here names ours in one sentence; one with no flag here says
+    why (common.TRL_NAMES): never a bare "unknown flag"."""
+    import dataclasses
+    import importlib
+
+    args_cls = importlib.import_module(script).Args
+    fields = {f.name for f in dataclasses.fields(args_cls)}
+    for trl, (ours, note) in common.TRL_NAMES.items():
+        if trl in fields or (ours and ours not in fields):  # the same name here, or another trainer's flag
+            continue
+        message = common.unknown_flag_message(args_cls, [f"--{trl}", "1"])
+        assert message.startswith(f"unknown flag --{trl}: TRL's --{trl} ") and (f"--{ours} here" if ours else note) in message, message
+    assert "reward_fn" not in fields or "--reward_fn here" in common.unknown_flag_message(args_cls, ["--reward_funcs", "f"])
+
+
+def test_a_pretrained_models_default_grpo_step_is_trls(tmp_path, tiny_llama, monkeypatch, capsys):
+    """grpo.py on a pretrained model with no batch flags: one optimizer step samples one prompt x
+    8 completions (TRL's per_device_train_batch_size 8, num_generations 8, gradient_accumulation_steps
+    1), and the run says so before the first step."""
+    from conftest import run_main
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n"
+                                              for i in range(4)))
+    (tmp_path / "r.py").write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    calls = []
+    real = sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda *a, **k: calls.append((a[2].shape[0], k["num_return_sequences"])) or real(*a, **k))
+    run_main(grpo, ["--model", tiny_llama, "--dataset", str(tmp_path / "p.jsonl"), "--reward_fn", f"{tmp_path}/r.py:length",
+                    "--max_steps", "1", "--max_completion_length", "4", "--optim", "adamw",
+                    "--output_dir", str(tmp_path / "out")], monkeypatch)
+    assert calls == [(1, 8)]  # one micro-batch of one prompt, eight completions
+    assert ("one optimizer step = 1 prompts x 8 completions = 8 sequences, in micro-batches of 8; in TRL: "
+            "per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=1") in capsys.readouterr().out
+
+
+def test_progress_moves_within_a_step(monkeypatch):
+    """tracking.within shows which micro-batch of a step is running beside the bar."""
+    from tqdm.auto import tqdm
+
+    monkeypatch.setitem(tracking._RUN, "bar", tqdm(range(3), disable=False, file=open(os.devnull, "w"), mininterval=0))
+    seen = []
+    for item in tracking.within(["a", "b", "c"], "sampling"):
+        seen.append((item, tracking._RUN["bar"].postfix))
+    assert seen == [("a", "sampling 1/3"), ("b", "sampling 2/3"), ("c", "sampling 3/3")]
+
+
+@pytest.mark.parametrize("script", ["sft", "reward"])
+def test_sft_and_reward_train_trls_three_epochs_by_default(script, tmp_path, tiny_llama, monkeypatch, capsys):
+    """On a pretrained model with neither --max_steps nor --num_train_epochs, sft.py and reward.py
+    train TRL's 3 epochs (6 rows, 8 a step: 3 steps; reward.py holds 1 of its 6 pairs out, says so,
+    and trains 3 epochs of 5: 2 steps); --max_steps alone trains that many steps."""
+    import importlib
+
+    from conftest import run_main
+
+    module = importlib.import_module(script)
+    rows = [{"prompt": f"POST: alice bought the bike {i} . TL;DR:", "completion": " alice bought bike .",
+             "chosen": " alice bought bike .", "rejected": " bob lost the phone ."} for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r if script == "reward" else {k: r[k] for k in ("prompt", "completion")})
+                                              + "\n" for r in rows))
+    base = ["--model", tiny_llama, "--dataset", str(tmp_path / "d.jsonl"), "--optim", "adamw"]
+    run_main(module, base + ["--output_dir", str(tmp_path / "a")], monkeypatch)
+    printed = capsys.readouterr().out
+    steps = len(open(tmp_path / "a" / "metrics.jsonl").read().split('"step"')) - 1  # eval lines have a step too
+    if script == "sft":
+        assert steps == 3 and "--num_train_epochs 3 over 6 examples, 8 per step: 3 steps" in printed
+    else:
+        assert "--num_train_epochs 3 over 5 examples, 8 per step: 2 steps" in printed
+        assert "the 1 test pairs are --test_size 0.1 of --dataset, held out of training" in printed
+    run_main(module, base + ["--max_steps", "1", "--output_dir", str(tmp_path / "b")], monkeypatch)
+    assert "num_train_epochs" not in capsys.readouterr().out.split("defaults for")[-1].split("\n", 1)[1]

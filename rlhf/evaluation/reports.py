@@ -38,6 +38,7 @@ def markdown_report(results, names, reference):
         return [f"{title} (95% CI)"] + ([f"{title}: seeds + prompts CI"] if multi else [])
 
     kind = s["judge"].split(":")[0]
+    kind = "gold" if kind == "reward_fn" else kind  # reward functions score as the gold judge does
     fn_score = "gold score" if s["reward_fn"] == "gold" else "accuracy (greedy)" if s["verifier"] else s["judge_name"]
     score_name = {"gold": fn_score, "rm": "reward"}.get(kind)  # llm, pairwise, http: no score, only preferences
     words = not s["verifier"]  # word counts say nothing about an exact check
