@@ -103,6 +103,31 @@ def test_grpo_main_passes_the_batch_its_advantages_and_its_reference(tmp_path, t
         assert call["args"].beta == 0.3
 
 
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_grpo_main_advantage_estimator_reaches_the_loss(estimator, tmp_path, tiny_qwen, monkeypatch):
+    """--advantage_estimator: the advantages grpo_loss gets over 2 micro-batches are the scored
+    rewards under RLOO's leave-one-out baseline, or REINFORCE++'s whitening over every trained
+    token of the step (both micro-batches), transcribed here."""
+    prompts, fn = prompts_file(tmp_path)
+    scores, loss_calls = spy(monkeypatch, grpo, "score"), spy(monkeypatch, grpo, "grpo_loss")
+    G = 4
+    run_main(grpo, ["--model", tiny_qwen, "--dataset", prompts, "--reward_fn", fn, "--batch_size", "2",
+                    "--num_generations", str(G), "--gradient_accumulation_steps", "2", "--max_steps", "1",
+                    "--max_completion_length", "6", "--advantage_estimator", estimator, "--optim", "adamw",
+                    "--output_dir", str(tmp_path / "out")], monkeypatch)
+    rewards = torch.cat([s["out"][:, 0] for s in scores]).double()  # (16,)
+    lengths = torch.cat([c["completion_mask"].sum(1) for c in loss_calls]).double()
+    if estimator == "rloo":  # r_i - mean of the other G-1 of its group
+        grouped = rewards.view(-1, G)
+        expected = (grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)).reshape(-1)
+    else:  # (r_i - mu) / sqrt(var + 1e-8), moments weighted by each completion's tokens
+        mu = (lengths * rewards).sum() / lengths.sum()
+        expected = (rewards - mu) / ((lengths * (rewards - mu) ** 2).sum() / lengths.sum() + 1e-8).sqrt()
+    assert rewards.std() > 0  # the lengths differ, so the advantages are not all 0
+    torch.testing.assert_close(torch.cat([c["advantages"] for c in loss_calls]).double(), expected, rtol=0, atol=1e-5)
+
+
 def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypatch):
     """One PPO step: the score with the missing-EOS penalty and the KL coefficient reach the
     per-token rewards, whose policy and reference log-probs are the starting policy's (KL exactly
