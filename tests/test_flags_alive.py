@@ -21,7 +21,7 @@ import re
 import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "eval"]
+SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "kto", "eval"]
 SHARED = [common.ModelArgs, common.TrainArgs, common.VllmArgs, common.SamplingArgs]
 
 FLAG_TESTS = {
@@ -123,6 +123,13 @@ FLAG_TESTS = {
     "dpo.reward_weights": "test_reward_contract.py::test_rewards_equal_trls_calculate_rewards",
     "dpo.rpo_alpha": "test_main_calls.py::test_dpo_main_passes_policy_and_reference_log_probs_in_order",
     "dpo.temperature": "test_flag_effects.py::test_online_dpo_samples_with_max_new_tokens_and_temperature",
+    # ---------------------------------------------------------------- kto.py
+    "kto.beta": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.desirable_weight": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.undesirable_weight": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.precompute_ref_logps": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
+    "kto.max_completion_length": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
+    "kto.max_prompt_length": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
     # ---------------------------------------------------------------- grpo.py
     "grpo.advantage_estimator": "test_main_calls.py::test_grpo_main_advantage_estimator_reaches_the_loss",
     "grpo.beta": "test_grpo.py::test_grpo_any_model_with_user_reward_and_reward_model",  # --beta 0: no kl metric, no reference

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import common
 import dpo
 import grpo
+import kto
 import ppo
 import reward
 import sft
@@ -126,6 +127,29 @@ def test_grpo_main_advantage_estimator_reaches_the_loss(estimator, tmp_path, tin
         expected = (rewards - mu) / ((lengths * (rewards - mu) ** 2).sum() / lengths.sum() + 1e-8).sqrt()
     assert rewards.std() > 0  # the lengths differ, so the advantages are not all 0
     torch.testing.assert_close(torch.cat([c["advantages"] for c in loss_calls]).double(), expected, rtol=0, atol=1e-5)
+
+
+
+def test_kto_main_passes_its_weights_and_the_reference(tmp_path, tiny_qwen, monkeypatch):
+    """One KTO step: kto_loss gets --beta, --desirable_weight, --undesirable_weight and the rows'
+    labels; the precomputed reference log-probs of the rows and of their mismatched pairs are the
+    starting policy's (so at step 1 every log-ratio is 0); prompts are cut to --max_prompt_length (4 of their 9 tokens)."""
+    rows = [{"prompt": f"POST: bob sold the car {i} . TL;DR:", "completion": " bob sold a car" * (1 + i % 2),
+             "label": bool(i % 3)} for i in range(6)]
+    (tmp_path / "u.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loss_calls, forwards = spy(monkeypatch, kto, "kto_loss"), spy(monkeypatch, kto, "row_logps")
+    run_main(kto, ["--model", tiny_qwen, "--dataset", str(tmp_path / "u.jsonl"), "--batch_size", "3", "--max_steps", "1",
+                   "--beta", "0.3", "--desirable_weight", "1.5", "--undesirable_weight", "0.5", "--max_prompt_length", "4",
+                   "--optim", "adamw", "--output_dir", str(tmp_path / "out")], monkeypatch)
+    (call,) = loss_calls
+    assert (call["beta"], call["desirable_weight"], call["undesirable_weight"]) == (0.3, 1.5, 0.5)
+    blocks = kto.kl_blocks(6, 3, 0)
+    block = [b for b in blocks.tolist() if [bool(i % 3) for i in b] == call["labels"].tolist()]
+    assert block, (blocks, call["labels"])  # the labels are those of one of the run's blocks
+    torch.testing.assert_close(call["ref_logps"], call["logps"].detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(call["ref_kl_logps"], call["kl_logps"].detach(), rtol=0, atol=1e-5)
+    assert not torch.equal(call["logps"], call["kl_logps"])  # the mismatched pairs are other completions' contexts
+    assert all(f["batch"]["prompt_ids"].shape[1] == 4 for f in forwards)
 
 
 def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypatch):
