@@ -488,3 +488,81 @@ def test_reinforce_pp_is_openrlhfs_formula_on_the_real_batch(base, grpo_batch):
     loss, _ = grpo.grpo_loss(logprobs, batch["old_logprobs"], None, ours, batch["completion_mask"], args)
     print(f"REINFORCE++ loss: grpo.py {float(loss):.8f}, OpenRLHF's formula {openrlhf:.8f}")
     assert abs(float(loss) - openrlhf) < 1e-6, (float(loss), openrlhf)
+
+
+
+# ============================================================================ 4. KTO
+# Run in .venv-bench: one KTOTrainer step on the 8 unpaired rows in one batch (dataset order: TRL
+# rotates the completions by one within the batch for the KL pairs), the moved policy against the
+# real model as reference; the loss that step logged, and the batch's tokens and trained tokens.
+TRL_KTO = r"""
+import json, sys
+import torch
+import trl
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM
+
+job = json.load(open(sys.argv[1]))
+ds = load_dataset("json", data_files=job["data"], split="train")
+reference = AutoModelForCausalLM.from_pretrained(job["reference"], dtype=torch.float32)
+trainer = trl.KTOTrainer(model=job["policy"], ref_model=reference, train_dataset=ds,
+                         args=trl.KTOConfig(output_dir=job["out"], max_steps=1, learning_rate=1e-6, save_strategy="no",
+                                            report_to="none", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+                                            disable_tqdm=True, dataloader_num_workers=0, per_device_train_batch_size=len(ds),
+                                            beta=job["beta"], desirable_weight=job["desirable_weight"],
+                                            undesirable_weight=job["undesirable_weight"], max_length=1024))
+batch = next(iter(trainer.get_train_dataloader()))
+trainer.train()
+real = batch["attention_mask"].bool()
+rows = [[ids[m].tolist(), t[m].tolist()] for ids, t, m in zip(batch["input_ids"], batch["completion_mask"], real)]
+json.dump({"loss": trainer.state.log_history[0]["loss"], "kl": trainer.state.log_history[0]["kl"], "rows": rows,
+           "labels": [bool(x) for x in batch["label"]]}, open(sys.argv[2], "w"))
+"""
+# (desirable_weight, undesirable_weight, roles swapped): with the moved policy as the policy the KL
+# estimate on these mismatched pairs is negative (z0 floored at 0); swapped, it is positive
+KTO_CASES = (1.0, 1.0, False), (1.33, 0.8, True)
+
+
+@pytest.fixture(scope="module", params=KTO_CASES, ids=["weights_1_1", "weights_1.33_0.8_swapped"])
+def trl_kto(request, policy, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl_kto")
+    rows = [{"prompt": user(q), "completion": assistant(c), "label": label}
+            for q, a, w in zip(QUESTIONS, ANSWERS, WRONG) for c, label in ((a, True), (w, False))]
+    data_file = write_jsonl(tmp / "unpaired.jsonl", rows)
+    wd, wu, swapped = request.param
+    trained, reference = (MODEL, policy) if swapped else (policy, MODEL)
+    answer = trl(TRL_KTO, {"policy": trained, "reference": reference, "data": data_file, "out": str(tmp), "beta": 0.1,
+                           "desirable_weight": wd, "undesirable_weight": wu}, tmp)
+    return {**answer, "data": data_file, "weights": (wd, wu), "swapped": swapped}
+
+
+def test_a_kto_step_has_trls_loss(policy, base, trl_kto):
+    """kto.py's loss (unpaired_rows, render_rows, encode_rows with TRL's rotation for the KL pairs,
+    row_logps, kto_loss: beta 0.1) of the moved policy against the real model as reference, on the
+    8 rows in one batch, equals KTOTrainer's first logged loss, with equal and unequal
+    desirable/undesirable weights, and with the roles swapped (the real model trained against the
+    moved one), where the reference point z0 is positive; so do the rows' tokens, trained tokens,
+    labels and z0 (TRL's logged kl)."""
+    import datasets
+
+    import kto
+
+    tokenizer = common.load_tokenizer(policy)
+    model = common.freeze(common.load_model(policy, common.ModelArgs(model=policy, dtype="float32")))
+    rows = kto.unpaired_rows(datasets.load_dataset("json", data_files=trl_kto["data"], split="train"), trl_kto["data"])
+    texts = kto.render_rows(tokenizer, rows)
+    batch = kto.encode_rows(tokenizer, texts, list(range(len(rows))), SimpleNamespace(max_prompt_length=None,
+                            max_completion_length=None), sampling.stop_token_ids(model, tokenizer))
+    assert batch["labels"].tolist() == trl_kto["labels"]
+    ours = ours_rows(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+                     batch["completion_mask"])
+    assert ours == sorted(trl_kto["rows"])
+    trained, reference = (base, model) if trl_kto["swapped"] else (model, base)
+    with torch.no_grad():
+        (logps, kl_logps), (ref_logps, ref_kl_logps) = kto.row_logps(trained, batch), kto.row_logps(reference, batch)
+        losses, _, z0 = kto.kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, batch["labels"], 0.1, *trl_kto["weights"])
+    print(f"KTO loss {trl_kto['weights']}: kto.py {float(losses.mean()):.8f}, KTOTrainer {trl_kto['loss']:.8f}; "
+          f"kl {float(z0):.6f} vs {trl_kto['kl']:.6f}")
+    assert abs(float(losses.mean()) - 0.5) > 1e-3  # the policy is not its reference
+    assert abs(float(losses.mean()) - trl_kto["loss"]) < 1e-5, (float(losses.mean()), trl_kto["loss"])
+    assert abs(float(z0) - trl_kto["kl"]) < 1e-4 and (float(z0) > 0.01) == trl_kto["swapped"]
