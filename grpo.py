@@ -545,7 +545,8 @@ def refill_tied_groups(scored, sampler, model, world, step, micro):
             parts.append(sample_and_score(sampler, model, world, idx, step, micro + k * args.gradient_accumulation_steps))
         for g, is_tied in enumerate(tied_groups(parts[-1]["reward"], G).tolist()):
             (tied if is_tied else keep).append((k, g))
-        if len(keep) >= B:
+        # every rank samples as often as the one that needs the most (generation is lockstep under ddp/fsdp2)
+        if parallel.all_reduce(float(len(keep) < B), "sum") == 0:
             break
     metrics = {"dynamic_sampling/dropped_groups": len(tied), "dynamic_sampling/resamples": len(parts) - 1,
                "dynamic_sampling/refilled_groups": sum(k > 0 for k, _ in keep[:B]),

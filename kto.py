@@ -85,11 +85,14 @@ def validate(args):
 
 
 def print_memory_plan(args):
-    """--estimate_memory: what KTO holds (the policy, a reference unless precomputed)."""
+    """--estimate_memory: what KTO holds (the policy, a reference unless precomputed); each row is
+    read twice, with its own completion and with its mismatched pair's."""
+    unpaired = "label" in data.training_data(args, "prefs").column_names  # prompt/completion rows read as SFT's
     memory.print_plan(args, reference=True if not args.precompute_ref_logps else "log-probs precomputed (--precompute_ref_logps)",
                       reward_models=[], reward_note="implicit in KTO", train_sequences=2 * args.batch_size,
                       train_prompts=args.batch_size, generation_sequences=0,
-                      **dict(zip(["prompt_length", "completion_length"], memory.data_lengths(args, "prefs", "data"))))
+                      **dict(zip(["prompt_length", "completion_length"],
+                                 memory.data_lengths(args, "sft" if unpaired else "prefs", "data"))))
 
 
 # ------------------------------------------------------------------------ the KTO loss

@@ -48,7 +48,7 @@ def test_kto_gradient_flows_through_the_rows_not_the_reference_point():
     """z0 is detached: the mismatched pairs' log-probs get no gradient; a desirable row's
     log-prob is pushed up, an undesirable one's down."""
     logps = torch.tensor([-5.0, -5.0], requires_grad=True)
-    kl = torch.tensor([-4.0, -6.0], requires_grad=True)
+    kl = torch.tensor([-3.0, -4.0], requires_grad=True)  # z0 = 1.5 > 0: not at the floor
     losses, _, _ = kto.kto_loss(logps, torch.tensor([-5.0, -5.0]), kl, torch.tensor([-5.0, -5.0]),
                                 torch.tensor([True, False]), 0.1)
     losses.sum().backward()
