@@ -18,8 +18,12 @@ gets the advantage A_i, and the policy minimises a clipped surrogate plus a k3 K
         cispo    l_t = -sg(min(r_t, 1 + epsilon_high)) A log pi(y_t) + beta kl_t, dapo's normaliser
                  (MiniMax-M1, 2025: the IS weight is clipped, never the token's gradient)
 
+--advantage_estimator changes the baseline of A_i (the KL stays in the loss, as above):
+    rloo          A_i = r_i - 1/(G-1) sum_{j != i} r_j                           (Ahmadian et al. 2024, RLOO)
+    reinforce_pp  A_i = (r_i - mu) / sqrt(var + 1e-8), mu and var over the batch's tokens   (Hu 2025, REINFORCE++)
+
 GSPO (--importance_sampling_level sequence, Zheng et al. 2025) replaces r_t by one ratio per
-completion, exp(1/|y_i| sum_t (logp_t - old_logp_t)), so the clip keeps or drops whole completions.
+completion, exp(1/|y_i| sum_t (logp_t - old_logp_t)); sequence_sum drops the 1/|y_i| (TRL's RLOOTrainer).
 
 Departures from the paper and from TRL:
 - --loss_type grpo (the paper's per-sequence mean) is the default; TRL's is dapo.
@@ -34,6 +38,7 @@ Departures from the paper and from TRL:
 - When another engine samples (--use_vllm), each token's loss is weighted by TRL's truncated or
   masked importance ratio pi_old / pi_sampler (`sampler_correction`). TRL's default bias
   correction of the KL by that ratio is not applied.
+- --dynamic_sampling (DAPO Sec. 3.2) replaces groups whose rewards tie, at most --max_resample extra rollouts.
 - Tool replies (--tools) are read, never trained on: every sum over t runs over the model's own
   tokens (completion_mask), and so do the KL, the entropy and the token counts.
 - Defaults suit a pretrained model, a step as TRL's (one prompt x 8 completions; docs/trl.md lists
@@ -89,11 +94,14 @@ class Args(SamplingArgs):
     dual_clip_c: float = field(default=3.0, metadata={"help": "Dual clip c > 1: for A < 0 the objective is bounded below by c*A; 0 disables."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per rollout (mu); 1 is on-policy."})
     loss_type: str = field(default="grpo", metadata={"help": "grpo | dr_grpo | dapo | bnpo | cispo (the docstring's normalisers)."})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one per completion (GSPO)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token: one ratio per token (GRPO) | sequence: one per completion, from the mean of its token log-ratios (GSPO) | sequence_sum: from their sum (TRL's RLOOTrainer)."})
+    advantage_estimator: str = field(default="grpo", metadata={"help": "grpo: the group's mean (and std) | rloo: the mean of the other G-1 (TRL's RLOOTrainer) | reinforce_pp: the batch's token-weighted moments (REINFORCE++, OpenRLHF's reinforce); the docstring's equations."})
     scale_rewards: str = field(default="auto", metadata={"help": "group | batch | none: divide advantages by the group's or the batch's reward std, or not; auto: none for dr_grpo, batch with a --reward_model, else group."})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "With --use_vllm: weight each token's loss by the truncated or masked ratio pi_train / pi_vLLM (TRL's)."})
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's modes and default)."})
     vllm_importance_sampling_cap: float = field(default=3.0, metadata={"help": "The cap C of --vllm_importance_sampling_mode (TRL's default)."})
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards all tie and sample fresh prompts until each micro-batch holds --batch_size groups with a reward spread."})
+    max_resample: int = field(default=4, metadata={"help": "With --dynamic_sampling: extra rollouts of --batch_size prompts per micro-batch at most; past it, tied groups fill the rest."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Completions without EOS contribute no loss (their rewards still shape the group baseline)."})
     # optimisation
     max_steps: int = field(default=150, metadata={"help": "Optimizer steps (a new rollout every --num_iterations steps)."})
@@ -106,8 +114,14 @@ class Args(SamplingArgs):
 def validate(args):
     """The checks main() needs before anything loads, and the values `auto` resolves to."""
     common.check_choice("--loss_type", args.loss_type, ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
-    common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence"])
+    common.check_choice("--importance_sampling_level", args.importance_sampling_level, ["token", "sequence", "sequence_sum"])
     common.check_choice("--scale_rewards", args.scale_rewards, ["auto", "group", "batch", "none"])
+    common.check_choice("--advantage_estimator", args.advantage_estimator, ["grpo", "rloo", "reinforce_pp"])
+    scales = {"rloo": ["auto", "none", "batch"], "reinforce_pp": ["auto"]}.get(args.advantage_estimator)
+    if scales and args.scale_rewards not in scales:
+        common.fail(f"--scale_rewards {args.scale_rewards} with --advantage_estimator {args.advantage_estimator}: "
+                    f"pass one of {scales} (rloo: none, or batch = TRL's normalize_advantages; reinforce_pp whitens "
+                    "over the batch itself).")
     common.check_choice("--vllm_importance_sampling_mode", args.vllm_importance_sampling_mode,
                         ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
     if args.use_vllm:
@@ -115,6 +129,8 @@ def validate(args):
         if args.tools:
             common.fail("--tools samples with the project's own decoding loop (tools.py); --use_vllm does not run tool "
                         "calls: drop one of the two.")
+    if args.scale_rewards == "auto" and args.advantage_estimator != "grpo":
+        args.scale_rewards = "none"  # RLOO unscaled (TRL's default); REINFORCE++ whitens in its estimator
     if args.scale_rewards == "auto":
         # a reward model's within-group noise must not be scaled up to full-size advantages (docstring)
         args.scale_rewards = "none" if args.loss_type == "dr_grpo" else "batch" if args.reward_model else "group"
@@ -123,6 +139,8 @@ def validate(args):
                     "since each is judged against the others of its group (with 1, every advantage is 0).")
     if args.dual_clip_c and args.dual_clip_c <= 1:
         common.fail(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (or 0 to disable).")
+    if args.max_resample < 0:
+        common.fail(f"--max_resample {args.max_resample}: must be >= 0 (extra rollouts per micro-batch).")
     if args.num_iterations < 1 or args.beta < 0 or args.epsilon <= 0 or args.temperature <= 0:
         common.fail("--num_iterations must be >= 1, --beta >= 0, --epsilon and --temperature > 0.")
     if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
@@ -177,12 +195,59 @@ def group_advantages(rewards, num_generations, scale_rewards="group", batch_std=
     return advantages.reshape(-1).nan_to_num(0.0).to(rewards.dtype)  # (N,)
 
 
-def batch_advantages(rewards, num_generations, scale_rewards):
-    """group_advantages of the micro-batches of one optimizer step (a list of (N_i,) rewards ->
-    a list of (N_i,) advantages), with --scale_rewards batch dividing by the std of every reward
-    of the step on every rank (TRL: the whole generation batch), not of each micro-batch."""
-    batch_std = nanstd(parallel.all_gather(torch.cat(rewards)))
-    return [group_advantages(r, num_generations, scale_rewards, batch_std) for r in rewards]
+def rloo_advantages(rewards, num_generations):
+    """RLOO's leave-one-out baseline (Ahmadian et al. 2024, Sec. 3.2; TRL's RLOOTrainer):
+
+        A_i = r_i - 1/(G-1) sum_{j != i} r_j
+
+    for rewards in groups of G consecutive completions, (N,) -> (N,). It equals G/(G-1) times
+    GRPO's unscaled A_i: each sample's baseline leaves it out, so the estimate is unbiased. A NaN
+    reward is left out of its siblings' baselines and gets A = 0; so does a group's only scorable
+    completion (0/0, as TRL)."""
+    grouped = rewards.double().view(-1, num_generations)  # (B, G)
+    scorable = (~grouped.isnan()).sum(1, keepdim=True)  # (B, 1)
+    baseline = (grouped.nansum(1, keepdim=True) - grouped) / (scorable - 1)  # (B, G): mean of the others
+    return (grouped - baseline).reshape(-1).nan_to_num(0.0).to(rewards.dtype)  # (N,)
+
+
+def reinforce_pp_advantages(rewards, lengths):
+    """REINFORCE++'s global normalisation (Hu 2025, Eq. 9-10; OpenRLHF's --advantage_estimator
+    reinforce with the KL in the loss): every token of y_i has the return r_i (gamma 1, no
+    per-token KL reward), and the returns are whitened over every completion token of the batch:
+
+        mu = sum_i |y_i| r_i / T,   var = sum_i |y_i| (r_i - mu)^2 / T,   T = sum_i |y_i|
+        A_i = (r_i - mu) / sqrt(var + 1e-8)
+
+    rewards, lengths (|y_i|, the trained tokens): (N,) -> (N,). No group baseline: the batch is
+    the baseline. A NaN reward is left out of mu and var and gets A = 0."""
+    r = rewards.double()
+    w = lengths.double() * (~r.isnan())  # (N,): a token weight per completion
+    T = w.sum().clamp(min=1)
+    mu = (w * r.nan_to_num(0.0)).sum() / T
+    var = (w * (r - mu).nan_to_num(0.0) ** 2).sum() / T
+    return ((r - mu) * torch.rsqrt(var + 1e-8)).nan_to_num(0.0).to(rewards.dtype)  # (N,)
+
+
+def batch_advantages(rewards, num_generations, scale_rewards, estimator="grpo", lengths=None):
+    """The advantages of the micro-batches of one optimizer step (a list of (N_i,) rewards -> a
+    list of (N_i,) advantages) under --advantage_estimator; `lengths`, the trained tokens of each
+    completion (a list of (N_i,)), weigh REINFORCE++'s moments. What is batch-wide (--scale_rewards
+    batch's std, RLOO's --scale_rewards batch = TRL's normalize_advantages, REINFORCE++'s token
+    moments) spans every reward of the step on every rank (TRL: the whole generation batch)."""
+    G, sizes = num_generations, [len(r) for r in rewards]
+    if estimator == "grpo":
+        batch_std = nanstd(parallel.all_gather(torch.cat(rewards)))
+        return [group_advantages(r, G, scale_rewards, batch_std) for r in rewards]
+    everything = parallel.all_gather(torch.cat(rewards))  # (N_all,): every rank's rows in rank order
+    here = parallel.rank() * len(everything) // parallel.world_size() + torch.arange(sum(sizes))  # this rank's rows
+    if estimator == "rloo":
+        advantages = rloo_advantages(everything, G)
+        if scale_rewards == "batch":  # TRL's normalize_advantages: the scorable advantages to mean 0, std 1
+            scored = advantages[~everything.isnan()]
+            advantages = ((advantages - scored.mean()) / (nanstd(scored) + ADV_EPS)).masked_fill(everything.isnan(), 0.0)
+    else:
+        advantages = reinforce_pp_advantages(everything, parallel.all_gather(torch.cat(lengths).to(everything.dtype)))
+    return list(advantages[here].split(sizes))
 
 
 def batch_normalisers(completion_masks):
@@ -250,9 +315,12 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
     # the importance ratio: per token (GRPO), or per completion (GSPO, Zheng et al. 2025)
     epsilon_high = args.epsilon_high or args.epsilon
     log_ratio = logprobs - old_logprobs  # (N, C)
-    if getattr(args, "importance_sampling_level", "token") == "sequence":
+    level = getattr(args, "importance_sampling_level", "token")
+    if level == "sequence":
         # s_i = exp(1/|y_i| sum_t log_ratio_t): the geometric mean of the token ratios, for every token
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))  # (N, 1)
+    elif level == "sequence_sum":  # s_i = pi(y_i | x) / pi_old(y_i | x), the sequence's own ratio (TRL's RLOOTrainer)
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True)  # (N, 1)
     ratio = torch.exp(log_ratio)  # (N, C), or (N, 1) for GSPO
     if args.loss_type == "cispo":
         # CISPO (MiniMax-M1, 2025): the clipped IS weight, detached, times log pi; every token keeps its gradient
@@ -427,6 +495,95 @@ def log_completions(args, step, sample, advantages, raw_prompts, reward_names):
         "advantage": advantages, **extra})
 
 
+
+def sample_and_score(sampler, model, world, idx, step, micro):
+    """Steps 1 and 2 for the prompts `idx` (dataset rows): G completions of each through the run's
+    sampler (rlhf/rollouts.py), seeded by (step, micro), then every reward source and the weighted
+    sum. Returns the prompts' ids and mask (B, P), the Rollout (B*G rows, groups consecutive), each
+    row's prompt index, the rewards (B*G, K) and (B*G,), what the reward functions logged, and how
+    many completions had no EOS."""
+    args, G, tokenizer, raw = world["args"], world["args"].num_generations, world["tokenizer"], world["raw_prompts"]
+    prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [world["prompts"][i] for i in idx], args.max_prompt_length,
+                                                  world["device"])
+    # (B*G, C): every pass reads each prompt once for its G samples
+    rollout = rollouts.sample(sampler, model, prompt_ids, prompt_mask, [raw[i] for i in idx], G, (step, micro))
+    group = [i for i in idx for _ in range(G)]
+    reward_logs = {"metrics": {}, "extra": {}}  # what the reward functions log_metric / log_extra
+    rewards_per_source = score(world["rewards"], [raw[i] for i in group], rollout.texts, rollout.completion_id_lists(),
+                               {c: [v[i] for i in group] for c, v in world["columns"].items()},
+                               args, G, step, reward_logs, rollout.messages)  # (N, K), NaN where a function returned None
+    reward = common.weighted_rewards(rewards_per_source, world["weights"])  # (N,): sum over the rewards that apply
+    check_rewards(reward, G, step)
+    return {"idx": list(idx), "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rollout": rollout, "group": group,
+            "rewards_per_source": rewards_per_source, "reward": reward, "reward_logs": reward_logs,
+            "num_truncated": int(rollout.truncated.sum())}
+
+
+def tied_groups(reward, num_generations):
+    """(B,) True for each group whose rewards are all equal (NaNs aside): its advantages are all 0,
+    so it carries no policy gradient, only the KL term (DAPO Sec. 3.2)."""
+    grouped = reward.view(-1, num_generations)  # (B, G)
+    spread = grouped.nan_to_num(float("-inf")).amax(1) - grouped.nan_to_num(float("inf")).amin(1)
+    return ~(spread > 0)  # a group with < 2 scorable rewards counts as tied
+
+
+def refill_tied_groups(scored, sampler, model, world, step, micro):
+    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2) with --dynamic_sampling: the groups of a
+    sample_and_score result whose rewards all tie are dropped, and fresh prompts are sampled and
+    scored, B at a time (at most --max_resample times), until the micro-batch holds B groups with
+    a reward spread again. Past the bound, dropped groups fill the rest (they train the KL only),
+    so every micro-batch keeps B*G rows. Returns the refilled result and its metrics:
+    dynamic_sampling/{dropped_groups, refilled_groups, resamples, unfilled_groups}. Without the
+    flag: the result unchanged, no metrics."""
+    args, G = world["args"], world["args"].num_generations
+    if not args.dynamic_sampling:
+        return scored, {}
+    B, parts = len(scored["idx"]), [scored]
+    keep, tied = [], []  # (part, group) pairs
+    for k in range(args.max_resample + 1):
+        if k:  # fresh prompts: another data order, a sampling seed past the step's micro-batches
+            idx = data.rank_batch(len(world["prompts"]), B, args.seed + k, step * args.gradient_accumulation_steps + micro)
+            parts.append(sample_and_score(sampler, model, world, idx, step, micro + k * args.gradient_accumulation_steps))
+        for g, is_tied in enumerate(tied_groups(parts[-1]["reward"], G).tolist()):
+            (tied if is_tied else keep).append((k, g))
+        # every rank samples as often as the one that needs the most (generation is lockstep under ddp/fsdp2)
+        if parallel.all_reduce(float(len(keep) < B), "sum") == 0:
+            break
+    metrics = {"dynamic_sampling/dropped_groups": len(tied), "dynamic_sampling/resamples": len(parts) - 1,
+               "dynamic_sampling/refilled_groups": sum(k > 0 for k, _ in keep[:B]),
+               "dynamic_sampling/unfilled_groups": max(B - len(keep), 0)}
+    return take_groups(parts, sorted((keep + tied)[:B]), G, world["tokenizer"].pad_token_id), metrics
+
+
+def take_groups(parts, chosen, num_generations, pad_token_id):
+    """One sample_and_score result made of the groups `chosen` ((part, group) pairs, sorted) of
+    several: prompts left-padded and completions right-padded to the longest."""
+    G = num_generations
+    width = max(p["prompt_ids"].shape[1] for p in parts)
+    by_part = [[g for k, g in chosen if k == part] for part in range(len(parts))]
+    rows = [[g * G + j for g in groups for j in range(G)] for groups in by_part]  # each part's rows, groups consecutive
+
+    def gather(name, value=None):  # the chosen rows (or prompts, with value: left-padded to `width`) of every part
+        if value is None:
+            return torch.cat([p[name][r] for p, r in zip(parts, rows)])
+        return torch.cat([torch.nn.functional.pad(p[name][g], (width - p[name].shape[1], 0), value=value)
+                          for p, g in zip(parts, by_part)])
+
+    def listed(values_of):  # the chosen rows of a per-row list of every part
+        return [values_of(p)[i] for p, r in zip(parts, rows) for i in r]
+
+    logs = [p["reward_logs"] for p in parts]
+    extra = {c: listed(lambda p: p["reward_logs"]["extra"][c]) for c in logs[0]["extra"]
+             if all(len(log["extra"].get(c, ())) == len(p["group"]) for log, p in zip(logs, parts))}
+    return {"idx": [parts[k]["idx"][g] for k, g in chosen],
+            "prompt_ids": gather("prompt_ids", pad_token_id), "prompt_mask": gather("prompt_mask", 0),
+            "rollout": rollouts.concat([rollouts.take_rows(p["rollout"], r) for p, r in zip(parts, rows) if r], pad_token_id),
+            "group": listed(lambda p: p["group"]), "rewards_per_source": gather("rewards_per_source"),
+            "reward": gather("reward"),
+            "reward_logs": {"metrics": {n: [v for log in logs for v in log["metrics"].get(n, [])] for n in logs[0]["metrics"]},
+                            "extra": extra},
+            "num_truncated": sum(p["num_truncated"] for p in parts)}
+
 # ============================================================================ main
 def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
@@ -466,6 +623,9 @@ def main():
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
     column_values = {c: ds[c] for c in extra_columns}
+    # what sampling and scoring a batch of prompt indices reads (sample_and_score)
+    world = {"tokenizer": tokenizer, "prompts": prompts, "raw_prompts": raw_prompts, "columns": column_values,
+             "rewards": rewards, "weights": weights, "args": args, "device": device}
     truncated_counts = data.truncation_counts(tokenizer, prompts, None, args, script)  # + completions as sampled
     print(f"{script}: {len(ds)} prompts from {data.dataset_name(args.dataset)}, rewards {reward_names} "
           f"(weights {[round(w, 6) for w in weights.tolist()]}, --scale_rewards {args.scale_rewards}), "
@@ -494,30 +654,26 @@ def main():
                 # this rank's prompts of the global batch; the rollout's number is the position in the data
                 idx = data.rank_batch(len(ds), args.batch_size, args.seed,
                                       (step // args.num_iterations) * args.gradient_accumulation_steps + micro)
-                prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length, device)
-                # (B*G, C): groups are consecutive rows; every pass reads each prompt once for its G samples
-                rollout = rollouts.sample(sampler, model, prompt_ids, prompt_mask, [raw_prompts[i] for i in idx], G, (step, micro))
-                truncated_counts["completions_truncated"] += int(rollout.truncated.sum())  # no EOS within the length
-
-                # 2. score every completion with every reward source, then the weighted sum
-                group = [i for i in idx for _ in range(G)]
-                reward_logs = {"metrics": {}, "extra": {}}  # what the reward functions log_metric / log_extra
-                rewards_per_source = score(rewards, [raw_prompts[i] for i in group], rollout.texts,
-                                           rollout.completion_id_lists(), {c: [v[i] for i in group] for c, v in column_values.items()},
-                                           args, G, step, reward_logs, rollout.messages)  # (N, K), NaN where a function returned None
-                reward = common.weighted_rewards(rewards_per_source, weights)  # (N,): sum over the rewards that apply
-                check_rewards(reward, G, step)
-                metrics_per_micro.append(rollout_metrics(rollout, reward, rewards_per_source, reward_names, reward_logs, G))
-                samples.append((group, rollout.texts, rewards_per_source, reward, reward_logs["extra"]))  # --log_completions
+                # 1-2. G completions of each prompt (rows i*G..(i+1)*G-1), scored by every reward source, weighted
+                s = sample_and_score(sampler, model, world, idx, step, micro)
+                # DAPO's dynamic sampling (--dynamic_sampling): groups whose rewards all tie give way to fresh prompts'
+                s, refill_metrics = refill_tied_groups(s, sampler, model, world, step, micro)
+                rollout, reward, rewards_per_source = s["rollout"], s["reward"], s["rewards_per_source"]
+                truncated_counts["completions_truncated"] += s["num_truncated"]  # no EOS within the length
+                metrics_per_micro.append({**rollout_metrics(rollout, reward, rewards_per_source, reward_names,
+                                                            s["reward_logs"], G), **refill_metrics})
+                samples.append((s["group"], rollout.texts, rewards_per_source, reward, s["reward_logs"]["extra"]))
 
                 # 3. the reference's log-probs (the sampling policy's come with the first update)
+                prompt_ids, prompt_mask = s["prompt_ids"], s["prompt_mask"]
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
                                 "attention_mask": rollout.attention_mask, "completion_mask": trained_mask(rollout, args),
                                 "reward": reward, "old_logprobs": None, "sampling_logprobs": rollout.sampling_logprobs,
                                 "ref_logprobs": reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, args.temperature)})
             rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
             # 4. group-relative advantages and the loss's normalisers, over every micro-batch on every rank
-            advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards)
+            advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards, args.advantage_estimator,
+                                          [b["completion_mask"].sum(1) for b in batches])
             for b, a in zip(batches, advantages):
                 b["advantages"] = a.to(device)  # (N,)
             num_sequences, num_tokens = batch_normalisers([b["completion_mask"] for b in batches])

@@ -116,6 +116,21 @@ def concat(parts, pad_token_id):
                    None if any(r.tool_failures is None for r in parts) else sum(r.tool_failures for r in parts))
 
 
+
+def take_rows(rollout, rows):
+    """The rows `rows` (a list of indices) of a Rollout; its tool-call counts stay those of the
+    whole rollout (calls made on this rank, kept or not)."""
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def pick(value):
+        if value is None:
+            return None
+        return value[index.to(value.device)] if torch.is_tensor(value) else [value[i] for i in rows]
+
+    return Rollout(pick(rollout.completion_ids), pick(rollout.attention_mask), pick(rollout.completion_mask),
+                   pick(rollout.truncated), pick(rollout.texts), pick(rollout.messages), pick(rollout.sampling_logprobs),
+                   rollout.tool_calls, rollout.tool_failures)
+
 def load_weights(sampler, model):
     """Before a rollout: an engine takes the policy's current weights (plain decoding and the
     tool loop sample with the policy itself). Returns the seconds it took, as a metric."""

@@ -21,7 +21,7 @@ import re
 import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "eval"]
+SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "kto", "eval"]
 SHARED = [common.ModelArgs, common.TrainArgs, common.VllmArgs, common.SamplingArgs]
 
 FLAG_TESTS = {
@@ -123,8 +123,17 @@ FLAG_TESTS = {
     "dpo.reward_weights": "test_reward_contract.py::test_rewards_equal_trls_calculate_rewards",
     "dpo.rpo_alpha": "test_main_calls.py::test_dpo_main_passes_policy_and_reference_log_probs_in_order",
     "dpo.temperature": "test_flag_effects.py::test_online_dpo_samples_with_max_new_tokens_and_temperature",
+    # ---------------------------------------------------------------- kto.py
+    "kto.beta": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.desirable_weight": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.undesirable_weight": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    "kto.precompute_ref_logps": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
+    "kto.max_completion_length": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
+    "kto.max_prompt_length": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
     # ---------------------------------------------------------------- grpo.py
+    "grpo.advantage_estimator": "test_main_calls.py::test_grpo_main_advantage_estimator_reaches_the_loss",
     "grpo.beta": "test_grpo.py::test_grpo_any_model_with_user_reward_and_reward_model",  # --beta 0: no kl metric, no reference
+    "grpo.dynamic_sampling": "test_grpo.py::test_dynamic_sampling_refills_tied_groups_and_logs_it",
     "grpo.dual_clip_c": "test_grpo.py::test_dual_clip_bounds_negative_advantages",
     "grpo.epsilon": "test_trl_knobs.py::test_gspo_bnpo_cispo_match_their_equations",
     "grpo.epsilon_high": "test_trl_knobs.py::test_gspo_bnpo_cispo_match_their_equations",
@@ -134,6 +143,7 @@ FLAG_TESTS = {
     "grpo.mask_truncated_completions": "test_flag_effects.py::test_mask_truncated_completions_zeroes_the_loss_mask_of_cut_completions",
     "grpo.max_completion_length": "test_grpo.py::test_grpo_on_the_embedded_world",
     "grpo.max_prompt_length": "test_grpo.py::test_grpo_on_the_embedded_world",
+    "grpo.max_resample": "test_grpo.py::test_dynamic_sampling_refills_tied_groups_and_logs_it",
     "grpo.max_tool_calling_iterations": "test_tools.py::test_max_tool_calling_iterations",
     "grpo.num_generations": "test_main_calls.py::test_grpo_main_passes_the_batch_its_advantages_and_its_reference",
     "grpo.num_iterations": "test_grpo.py::test_grpo_on_the_embedded_world",

@@ -36,6 +36,57 @@ def test_group_advantages_on_hand_built_rewards():
                                grpo.group_advantages(rewards, 4, "none") / (rewards.std() + grpo.ADV_EPS))
 
 
+
+def test_rloo_advantages_leave_each_sample_out():
+    """RLOO: A_i = r_i - mean of the other G-1 rewards, transcribed as a loop; a NaN reward is out
+    of its siblings' baselines with A = 0, and a group's only scorable reward gets A = 0 (TRL)."""
+    G = 4
+    rewards = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    rewards[5] = rewards[9] = rewards[10] = rewards[11] = float("nan")  # group 2: one NaN; group 3: one scorable
+    expected = torch.zeros(12)
+    for i in range(12):
+        others = [float(rewards[j]) for j in range(i // G * G, i // G * G + G) if j != i and not rewards[j].isnan()]
+        if not rewards[i].isnan() and others:
+            expected[i] = float(rewards[i]) - sum(others) / len(others)
+    torch.testing.assert_close(grpo.rloo_advantages(rewards, G), expected, rtol=0, atol=1e-6)
+    # without NaNs: G/(G-1) times GRPO's unscaled advantages
+    clean = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(grpo.rloo_advantages(clean, G), grpo.group_advantages(clean, G, "none") * G / (G - 1))
+
+
+def test_reinforce_pp_advantages_are_openrlhfs_token_whitening():
+    """REINFORCE++ (OpenRLHF's reinforce, KL in the loss): each token's return is its completion's
+    reward (gamma 1), whitened by the mean and variance over every completion token of the batch,
+    transcribed on an (N, C) grid of tokens; a NaN reward is left out and gets A = 0."""
+    gen = torch.Generator().manual_seed(2)
+    rewards = torch.randn(6, generator=gen) * 3 + 1
+    lengths = torch.tensor([1, 7, 3, 7, 2, 5])
+    mask = (torch.arange(7)[None, :] < lengths[:, None]).float()  # (N, C)
+    returns = rewards[:, None] * mask  # (N, C): r_i on every token of y_i
+    mean = (returns * mask).sum() / mask.sum()
+    var = (((returns - mean) * mask) ** 2).sum() / mask.sum()
+    per_token = (returns - mean) * torch.rsqrt(var + 1e-8)
+    torch.testing.assert_close(grpo.reinforce_pp_advantages(rewards, lengths), per_token[:, 0], rtol=1e-6, atol=1e-6)
+    # a NaN reward: out of the moments, A = 0
+    with_nan = torch.cat([rewards, torch.tensor([float("nan")])])
+    got = grpo.reinforce_pp_advantages(with_nan, torch.cat([lengths, torch.tensor([4])]))
+    torch.testing.assert_close(got, torch.cat([per_token[:, 0], torch.zeros(1)]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator, scale", [("rloo", "none"), ("rloo", "batch"), ("reinforce_pp", "none")])
+def test_batch_wide_estimators_span_the_optimizer_batch(estimator, scale):
+    """Split into micro-batches, --advantage_estimator rloo (with TRL's normalize_advantages: batch)
+    and reinforce_pp give the advantages of one micro-batch of everything."""
+    rewards = torch.randn(16, generator=torch.Generator().manual_seed(3)) * torch.arange(16) / 4
+    lengths = torch.arange(16) % 5 + 1
+    parts = [slice(0, 8), slice(8, 16)]
+    whole = grpo.batch_advantages([rewards], 4, scale, estimator, [lengths])[0]
+    split = torch.cat(grpo.batch_advantages([rewards[s] for s in parts], 4, scale, estimator, [lengths[s] for s in parts]))
+    torch.testing.assert_close(split, whole)
+    if scale == "batch":  # TRL's normalize_advantages: mean 0 and std 1 over the batch
+        assert abs(float(whole.mean())) < 1e-5 and abs(float(whole.std()) - 1) < 1e-3
+
+
 # ------------------------------------------------------------------ loss
 def _args(**kw):
     # max_completion_length 10 > the batches' width 7, as when no sample reaches the limit:
@@ -294,3 +345,43 @@ def test_eval_reward_fn_scores_the_eval_completions_apart(tmp_path, tiny_qwen, m
     bad = main_error(grpo, argv + ["--eval_reward_fn", f"{f['r.py']}:length", "--output_dir", str(tmp_path / "clash")],
                      monkeypatch, capsys)
     assert "--eval_reward_fn" in bad and "a reward named 'length' is already among the training rewards" in bad
+
+
+
+def test_dynamic_sampling_refills_tied_groups_and_logs_it(tmp_path, tiny_qwen, monkeypatch):
+    """--dynamic_sampling: 6 of 8 prompts get the same reward for every completion (a tied group, no
+    gradient); every micro-batch grpo_loss trains on still holds --batch_size groups, none tied,
+    and metrics.jsonl counts the dropped and refilled groups. Without the flag tied groups train;
+    with --max_resample 0 they stay, counted as unfilled."""
+    from conftest import run_main
+
+    rows = [{"prompt": f"POST: bob sold the car {i} . TL;DR:", "tie": i < 6} for i in range(8)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.py").write_text("def r(completions, tie, **kw):\n"
+                                   "    return [1.0 if t else float(len(c)) for c, t in zip(completions, tie)]\n")
+    G, B = 4, 2
+
+    def run(out, *flags):
+        calls = []
+        loss = grpo.grpo_loss
+        monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: calls.append(a[3]) or loss(*a, **kw))
+        run_main(grpo, ["--model", tiny_qwen, "--dataset", str(tmp_path / "p.jsonl"), "--reward_fn", f"{tmp_path}/r.py:r",
+                        "--num_generations", str(G), "--batch_size", str(B), "--gradient_accumulation_steps", "2",
+                        "--max_steps", "1", "--max_completion_length", "8", "--optim", "adamw", "--beta", "0",
+                        "--output_dir", str(tmp_path / out), *flags], monkeypatch)
+        tied = sum(int(grpo.tied_groups(a, G).sum()) for a in calls)  # A == 0 throughout a group: tied rewards
+        return calls, tied, _metrics(str(tmp_path / out))
+
+    calls, tied, metrics = run("plain")
+    assert tied > 0 and "dynamic_sampling/dropped_groups" not in metrics[0]
+    calls, tied, metrics = run("dynamic", "--dynamic_sampling", "--max_resample", "20")
+    assert tied == 0 and all(len(a) == B * G for a in calls)
+    assert sum(m["dynamic_sampling/dropped_groups"] for m in metrics) > 0
+    assert sum(m["dynamic_sampling/refilled_groups"] for m in metrics) > 0
+    assert all(m["dynamic_sampling/unfilled_groups"] == 0 for m in metrics)
+    assert all(m["frac_reward_zero_std"] == 0 for m in metrics)
+    # --max_resample 0: no extra rollout; the tied groups stay and are counted as unfilled
+    calls, tied, metrics = run("bounded", "--dynamic_sampling", "--max_resample", "0")
+    assert tied > 0 and all(len(a) == B * G for a in calls)
+    assert all(m["dynamic_sampling/resamples"] == 0 for m in metrics)
+    assert sum(m["dynamic_sampling/unfilled_groups"] for m in metrics) > 0

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import common
 import dpo
 import grpo
+import kto
 import ppo
 import reward
 import sft
@@ -101,6 +102,54 @@ def test_grpo_main_passes_the_batch_its_advantages_and_its_reference(tmp_path, t
         assert call["num_sequences"] == sum(m.shape[0] for m in masks)
         assert call["num_tokens"] == sum(m.sum() for m in masks)
         assert call["args"].beta == 0.3
+
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_grpo_main_advantage_estimator_reaches_the_loss(estimator, tmp_path, tiny_qwen, monkeypatch):
+    """--advantage_estimator: the advantages grpo_loss gets over 2 micro-batches are the scored
+    rewards under RLOO's leave-one-out baseline, or REINFORCE++'s whitening over every trained
+    token of the step (both micro-batches), transcribed here."""
+    prompts, fn = prompts_file(tmp_path)
+    scores, loss_calls = spy(monkeypatch, grpo, "score"), spy(monkeypatch, grpo, "grpo_loss")
+    G = 4
+    run_main(grpo, ["--model", tiny_qwen, "--dataset", prompts, "--reward_fn", fn, "--batch_size", "2",
+                    "--num_generations", str(G), "--gradient_accumulation_steps", "2", "--max_steps", "1",
+                    "--max_completion_length", "6", "--advantage_estimator", estimator, "--optim", "adamw",
+                    "--output_dir", str(tmp_path / "out")], monkeypatch)
+    rewards = torch.cat([s["out"][:, 0] for s in scores]).double()  # (16,)
+    lengths = torch.cat([c["completion_mask"].sum(1) for c in loss_calls]).double()
+    if estimator == "rloo":  # r_i - mean of the other G-1 of its group
+        grouped = rewards.view(-1, G)
+        expected = (grouped - (grouped.sum(1, keepdim=True) - grouped) / (G - 1)).reshape(-1)
+    else:  # (r_i - mu) / sqrt(var + 1e-8), moments weighted by each completion's tokens
+        mu = (lengths * rewards).sum() / lengths.sum()
+        expected = (rewards - mu) / ((lengths * (rewards - mu) ** 2).sum() / lengths.sum() + 1e-8).sqrt()
+    assert rewards.std() > 0  # the lengths differ, so the advantages are not all 0
+    torch.testing.assert_close(torch.cat([c["advantages"] for c in loss_calls]).double(), expected, rtol=0, atol=1e-5)
+
+
+
+def test_kto_main_passes_its_weights_and_the_reference(tmp_path, tiny_qwen, monkeypatch):
+    """One KTO step: kto_loss gets --beta, --desirable_weight, --undesirable_weight and the rows'
+    labels; the precomputed reference log-probs of the rows and of their mismatched pairs are the
+    starting policy's (so at step 1 every log-ratio is 0); prompts are cut to --max_prompt_length (4 of their 9 tokens)."""
+    rows = [{"prompt": f"POST: bob sold the car {i} . TL;DR:", "completion": " bob sold a car" * (1 + i % 2),
+             "label": bool(i % 3)} for i in range(6)]
+    (tmp_path / "u.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loss_calls, forwards = spy(monkeypatch, kto, "kto_loss"), spy(monkeypatch, kto, "row_logps")
+    run_main(kto, ["--model", tiny_qwen, "--dataset", str(tmp_path / "u.jsonl"), "--batch_size", "3", "--max_steps", "1",
+                   "--beta", "0.3", "--desirable_weight", "1.5", "--undesirable_weight", "0.5", "--max_prompt_length", "4",
+                   "--optim", "adamw", "--output_dir", str(tmp_path / "out")], monkeypatch)
+    (call,) = loss_calls
+    assert (call["beta"], call["desirable_weight"], call["undesirable_weight"]) == (0.3, 1.5, 0.5)
+    blocks = kto.kl_blocks(6, 3, 0)
+    block = [b for b in blocks.tolist() if [bool(i % 3) for i in b] == call["labels"].tolist()]
+    assert block, (blocks, call["labels"])  # the labels are those of one of the run's blocks
+    torch.testing.assert_close(call["ref_logps"], call["logps"].detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(call["ref_kl_logps"], call["kl_logps"].detach(), rtol=0, atol=1e-5)
+    assert not torch.equal(call["logps"], call["kl_logps"])  # the mismatched pairs are other completions' contexts
+    assert all(f["batch"]["prompt_ids"].shape[1] == 4 for f in forwards)
 
 
 def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 1. the folder each script saves loads where a user takes it next: transformers' Auto classes,
    peft (the adapter, and the merged folder), and TRL's trainers, which train one step from it;
 2. one SFT, one DPO and one GRPO step on identical batches (ids, masks, the same fp32 weights)
-   has the loss of TRL's trainers, to 1e-5.
+   has the loss of TRL's trainers, to 1e-5; so do grpo.py's RLOO advantages and loss (RLOOTrainer)
+   and kto.py's loss (KTOTrainer); REINFORCE++ against OpenRLHF's formula on the same batch.
 Skipped, with the reason, where models/SmolLM2-135M-Instruct or .venv-bench is missing (CI has
 the model, not TRL); each script runs once, one step, at tiny sizes."""
 
@@ -377,3 +378,191 @@ def test_a_grpo_step_has_trls_loss(loss_type, base, grpo_batch, trl_losses):
                                    batch["completion_mask"], args)
     assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0.01  # the clip and the KL are in the loss
     assert abs(float(loss) - trl_losses["grpo"][loss_type]) < 1e-5, (loss_type, float(loss), trl_losses["grpo"][loss_type])
+
+
+
+# ============================================================================ 3. RLOO and REINFORCE++
+REWARDS = [1.0, 0.5, 0.0, 0.2, 0.9, 0.1, 0.3, 0.6]  # grpo_batch's made-up rewards, one per completion
+
+# Run in .venv-bench: RLOOTrainer's own scoring step (_generate_and_score_completions) on grpo_batch's
+# completions (its _generate returns them instead of sampling; the reward function returns REWARDS
+# through a dataset column), with beta 0 and with and without normalize_advantages; then its loss
+# (_compute_loss) on that output with pi_old replaced by grpo_batch's noisy old log-probs.
+TRL_RLOO = r"""
+import json, sys
+import torch
+import trl
+from datasets import Dataset
+
+job = json.load(open(sys.argv[1]))
+b = torch.load(job["grpo_batch"])
+G = job["G"]
+prompts = [p[m.bool()].tolist() for p, m in zip(b["prompt_ids"], b["prompt_mask"]) for _ in range(G)]
+completions = [c[m.bool()].tolist() for c, m in zip(b["completion_ids"], b["completion_mask"])]
+rows = [{"prompt": [{"role": "user", "content": q}], "r": r}
+        for q, r in zip([q for q in job["questions"] for _ in range(G)], job["rewards"])]
+trainer = trl.RLOOTrainer(model=job["model"], reward_funcs=lambda completions, r, **kw: r,
+                          train_dataset=Dataset.from_list(rows[::G]),
+                          args=trl.RLOOConfig(output_dir=job["out"], max_steps=1, save_strategy="no", report_to="none",
+                                              use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=len(rows),
+                                              num_generations=G, beta=0.0, disable_tqdm=True))
+texts = trainer.processing_class.batch_decode(completions, skip_special_tokens=True)
+trainer._generate = lambda _: (prompts, completions, [[{"role": "assistant", "content": t}] for t in texts])
+trainer.model.eval()
+answer = {}
+for normalize in (True, False):  # the loss below reads the last: TRL's default, unnormalised
+    trainer.normalize_advantages = normalize
+    with torch.no_grad():
+        out = trainer._generate_and_score_completions(rows)
+    answer[f"advantages_{normalize}"] = out["advantages"].tolist()
+out["old_logps"] = (b["old_logprobs"] * b["completion_mask"]).sum(1)  # pi_old away from pi: ratios clip
+with torch.no_grad():
+    answer["loss"] = float(trainer._compute_loss(trainer.model, out))
+answer["completion_mask"] = out["completion_mask"].tolist()
+json.dump(answer, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def trl_rloo(grpo_batch, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl_rloo")
+    return trl(TRL_RLOO, {"model": MODEL, "grpo_batch": grpo_batch[1], "G": G, "questions": QUESTIONS[:2],
+                          "rewards": REWARDS, "out": str(tmp)}, tmp)
+
+
+def test_rloo_has_trls_advantages_and_loss(base, grpo_batch, trl_rloo):
+    """grpo.py --advantage_estimator rloo: the advantages of the 8 completions equal RLOOTrainer's,
+    unscaled (TRL's default) and with --scale_rewards batch (normalize_advantages=True); and with
+    --importance_sampling_level sequence_sum, --beta 0, TRL's clip (epsilon 0.2, no dual clip) and
+    the per-sequence mean (--loss_type grpo), grpo_loss equals RLOOTrainer._compute_loss on the
+    same ids, masks, advantages and pi_old, with ratios away from 1."""
+    import grpo
+
+    batch, _ = grpo_batch
+    rewards = torch.tensor(REWARDS)
+    assert trl_rloo["completion_mask"] == batch["completion_mask"].tolist()
+    for scale, normalize in (("none", False), ("batch", True)):
+        ours = grpo.batch_advantages([rewards], G, scale, "rloo")[0]
+        torch.testing.assert_close(ours, torch.tensor(trl_rloo[f"advantages_{normalize}"]), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        logprobs = sampling.completion_logprobs(base, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                                batch["completion_mask"])
+    args = SimpleNamespace(loss_type="grpo", epsilon=0.2, epsilon_high=0.0, dual_clip_c=0.0, beta=0.0,
+                           max_completion_length=batch["completion_ids"].shape[1], importance_sampling_level="sequence_sum")
+    advantages = grpo.batch_advantages([rewards], G, "none", "rloo")[0]
+    loss, metrics = grpo.grpo_loss(logprobs, batch["old_logprobs"], None, advantages, batch["completion_mask"], args)
+    assert metrics["clip_ratio"] > 0  # the clip binds on some completions: the comparison covers it
+    print(f"RLOO loss: grpo.py {float(loss):.8f}, RLOOTrainer {trl_rloo['loss']:.8f}")
+    assert abs(float(loss) - trl_rloo["loss"]) < 1e-5, (float(loss), trl_rloo["loss"])
+
+
+def test_reinforce_pp_is_openrlhfs_formula_on_the_real_batch(base, grpo_batch):
+    """grpo.py --advantage_estimator reinforce_pp on the real batch's completions: OpenRLHF's
+    REINFORCE++ (reinforce, KL in the loss, gamma 1) computed token by token -- the return of every
+    token is its completion's reward, whitened with the masked mean and variance of all tokens
+    (rsqrt(var + 1e-8)) -- and its token-mean clipped loss (OpenRLHF's PolicyLoss, token level; here
+    --loss_type dapo) with the real model's log-probs."""
+    import grpo
+
+    batch, _ = grpo_batch
+    mask = batch["completion_mask"].float()  # (8, C)
+    rewards = torch.tensor(REWARDS)
+    # OpenRLHF: per-token rewards r_i at the last token, cumulative returns (gamma 1), whitened over the batch's tokens
+    token_rewards = torch.zeros_like(mask)
+    last = mask.sum(1).long() - 1
+    token_rewards[torch.arange(8), last] = rewards
+    returns = token_rewards.flip(1).cumsum(1).flip(1) * mask
+    mean = (returns * mask).sum() / mask.sum()
+    var = (((returns - mean) ** 2) * mask).sum() / mask.sum()
+    token_advantages = (returns - mean) * torch.rsqrt(var + 1e-8)  # (8, C)
+    ours = grpo.batch_advantages([rewards], G, "none", "reinforce_pp", [batch["completion_mask"].sum(1)])[0]
+    torch.testing.assert_close(ours[:, None].expand_as(mask) * mask, token_advantages * mask, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        logprobs = sampling.completion_logprobs(base, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                                batch["completion_mask"])
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    surrogate = torch.min(ratio * token_advantages, ratio.clamp(0.8, 1.2) * token_advantages)
+    openrlhf = float((-surrogate * mask).sum() / mask.sum())
+    args = SimpleNamespace(loss_type="dapo", epsilon=0.2, epsilon_high=0.0, dual_clip_c=0.0, beta=0.0,
+                           max_completion_length=mask.shape[1], importance_sampling_level="token")
+    loss, _ = grpo.grpo_loss(logprobs, batch["old_logprobs"], None, ours, batch["completion_mask"], args)
+    print(f"REINFORCE++ loss: grpo.py {float(loss):.8f}, OpenRLHF's formula {openrlhf:.8f}")
+    assert abs(float(loss) - openrlhf) < 1e-6, (float(loss), openrlhf)
+
+
+
+# ============================================================================ 4. KTO
+# Run in .venv-bench: one KTOTrainer step on the 8 unpaired rows in one batch (dataset order: TRL
+# rotates the completions by one within the batch for the KL pairs), the moved policy against the
+# real model as reference; the loss that step logged, and the batch's tokens and trained tokens.
+TRL_KTO = r"""
+import json, sys
+import torch
+import trl
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM
+
+job = json.load(open(sys.argv[1]))
+ds = load_dataset("json", data_files=job["data"], split="train")
+reference = AutoModelForCausalLM.from_pretrained(job["reference"], dtype=torch.float32)
+trainer = trl.KTOTrainer(model=job["policy"], ref_model=reference, train_dataset=ds,
+                         args=trl.KTOConfig(output_dir=job["out"], max_steps=1, learning_rate=1e-6, save_strategy="no",
+                                            report_to="none", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+                                            disable_tqdm=True, dataloader_num_workers=0, per_device_train_batch_size=len(ds),
+                                            beta=job["beta"], desirable_weight=job["desirable_weight"],
+                                            undesirable_weight=job["undesirable_weight"], max_length=1024))
+batch = next(iter(trainer.get_train_dataloader()))
+trainer.train()
+real = batch["attention_mask"].bool()
+rows = [[ids[m].tolist(), t[m].tolist()] for ids, t, m in zip(batch["input_ids"], batch["completion_mask"], real)]
+json.dump({"loss": trainer.state.log_history[0]["loss"], "kl": trainer.state.log_history[0]["kl"], "rows": rows,
+           "labels": [bool(x) for x in batch["label"]]}, open(sys.argv[2], "w"))
+"""
+# (desirable_weight, undesirable_weight, roles swapped): with the moved policy as the policy the KL
+# estimate on these mismatched pairs is negative (z0 floored at 0); swapped, it is positive
+KTO_CASES = (1.0, 1.0, False), (1.33, 0.8, True)
+
+
+@pytest.fixture(scope="module", params=KTO_CASES, ids=["weights_1_1", "weights_1.33_0.8_swapped"])
+def trl_kto(request, policy, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl_kto")
+    rows = [{"prompt": user(q), "completion": assistant(c), "label": label}
+            for q, a, w in zip(QUESTIONS, ANSWERS, WRONG) for c, label in ((a, True), (w, False))]
+    data_file = write_jsonl(tmp / "unpaired.jsonl", rows)
+    wd, wu, swapped = request.param
+    trained, reference = (MODEL, policy) if swapped else (policy, MODEL)
+    answer = trl(TRL_KTO, {"policy": trained, "reference": reference, "data": data_file, "out": str(tmp), "beta": 0.1,
+                           "desirable_weight": wd, "undesirable_weight": wu}, tmp)
+    return {**answer, "data": data_file, "weights": (wd, wu), "swapped": swapped}
+
+
+def test_a_kto_step_has_trls_loss(policy, base, trl_kto):
+    """kto.py's loss (unpaired_rows, render_rows, encode_rows with TRL's rotation for the KL pairs,
+    row_logps, kto_loss: beta 0.1) of the moved policy against the real model as reference, on the
+    8 rows in one batch, equals KTOTrainer's first logged loss, with equal and unequal
+    desirable/undesirable weights, and with the roles swapped (the real model trained against the
+    moved one), where the reference point z0 is positive; so do the rows' tokens, trained tokens,
+    labels and z0 (TRL's logged kl)."""
+    import datasets
+
+    import kto
+
+    tokenizer = common.load_tokenizer(policy)
+    model = common.freeze(common.load_model(policy, common.ModelArgs(model=policy, dtype="float32")))
+    rows = kto.unpaired_rows(datasets.load_dataset("json", data_files=trl_kto["data"], split="train"), trl_kto["data"])
+    texts = kto.render_rows(tokenizer, rows)
+    batch = kto.encode_rows(tokenizer, texts, list(range(len(rows))), SimpleNamespace(max_prompt_length=None,
+                            max_completion_length=None), sampling.stop_token_ids(model, tokenizer))
+    assert batch["labels"].tolist() == trl_kto["labels"]
+    ours = ours_rows(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+                     batch["completion_mask"])
+    assert ours == sorted(trl_kto["rows"])
+    trained, reference = (base, model) if trl_kto["swapped"] else (model, base)
+    with torch.no_grad():
+        (logps, kl_logps), (ref_logps, ref_kl_logps) = kto.row_logps(trained, batch), kto.row_logps(reference, batch)
+        losses, _, z0 = kto.kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, batch["labels"], 0.1, *trl_kto["weights"])
+    print(f"KTO loss {trl_kto['weights']}: kto.py {float(losses.mean()):.8f}, KTOTrainer {trl_kto['loss']:.8f}; "
+          f"kl {float(z0):.6f} vs {trl_kto['kl']:.6f}")
+    assert abs(float(losses.mean()) - 0.5) > 1e-3  # the policy is not its reference
+    assert abs(float(losses.mean()) - trl_kto["loss"]) < 1e-5, (float(losses.mean()), trl_kto["loss"])
+    assert abs(float(z0) - trl_kto["kl"]) < 1e-4 and (float(z0) > 0.01) == trl_kto["swapped"]

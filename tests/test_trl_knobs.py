@@ -82,10 +82,11 @@ def _transcribed(logprobs, old, ref, adv, mask, a, micro_batches=1):
         A = float(adv[i])
         ts = [t for t in range(C) if mask[i, t]]
         s_i = math.exp(sum(float(logprobs[i, t] - old[i, t]) for t in ts) / len(ts))
+        s_sum = math.exp(sum(float(logprobs[i, t] - old[i, t]) for t in ts))  # TRL's RLOOTrainer: the sequence's ratio
         total = 0.0
         for t in ts:
             lp, o, rf = float(logprobs[i, t]), float(old[i, t]), float(ref[i, t])
-            r = s_i if a.importance_sampling_level == "sequence" else math.exp(lp - o)
+            r = {"sequence": s_i, "sequence_sum": s_sum}.get(a.importance_sampling_level, math.exp(lp - o))
             if a.loss_type == "cispo":
                 l_t = -min(r, 1 + a.epsilon_high) * A * lp
             else:
@@ -104,7 +105,7 @@ def _transcribed(logprobs, old, ref, adv, mask, a, micro_batches=1):
     return sum(t for t, _ in rows) / sum(n for _, n in rows)  # dapo, cispo
 
 
-@pytest.mark.parametrize("loss_type,level", [("grpo", "sequence"), ("dapo", "sequence"), ("bnpo", "token"),
+@pytest.mark.parametrize("loss_type,level", [("grpo", "sequence"), ("dapo", "sequence"), ("grpo", "sequence_sum"), ("bnpo", "token"),
                                              ("cispo", "token"), ("cispo", "sequence")])
 def test_gspo_bnpo_cispo_match_their_equations(loss_type, level):
     a = _args(loss_type=loss_type, importance_sampling_level=level)
