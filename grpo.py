@@ -41,9 +41,8 @@ Departures from the paper and from TRL:
 - --dynamic_sampling (DAPO Sec. 3.2) replaces groups whose rewards tie, at most --max_resample extra rollouts.
 - Tool replies (--tools) are read, never trained on: every sum over t runs over the model's own
   tokens (completion_mask), and so do the KL, the entropy and the token counts.
-- Defaults suit a pretrained model, a step as TRL's (one prompt x 8 completions; docs/trl.md lists
-  what differs); the embedded world's tiny policy has its own (EMBEDDED_DEFAULTS: at temperature
-  1.0 it collapses to the empty summary).
+- Defaults: TRL's step for a pretrained model (docs/trl.md lists what differs); the embedded
+  world's tiny policy has its own (EMBEDDED_DEFAULTS: at temperature 1.0 it collapses).
 """
 
 import os
