@@ -364,9 +364,10 @@ def step_metrics(rows):
 def main():
     script = common.script_name()  # a fork (my_dpo.py) prints, and shows its progress, under its own name
     args = common.parse_args(Args, default_output_dir=lambda a: f"runs/{common.script_name()}_online" if a.online else "")
-    args = validate(common.apply_defaults(args, embedded_defaults(args)))
+    args = common.apply_defaults(args, embedded_defaults(args))
     if args.estimate_memory:
         print_memory_plan(args)
+    validate(args)  # after the plan, which reads only config.json and exits
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()

@@ -586,9 +586,10 @@ def take_groups(parts, chosen, num_generations, pad_token_id):
 # ============================================================================ main
 def main():
     script = common.script_name()  # a fork (my_grpo.py) prints, and shows its progress, under its own name
-    args = validate(common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS))
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:
         print_memory_plan(args)
+    validate(args)  # after the plan, which reads only config.json and exits
     G = args.num_generations  # completions per prompt; rows i*G..(i+1)*G-1 are prompt i's group
     parallel.init_distributed()  # under torchrun: join the process group (only rank 0 prints); a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed

@@ -218,9 +218,10 @@ def row_metrics(loss, losses, rewards, logps, labels, z0):
 # ------------------------------------------------------------------------ main
 def main():
     script = common.script_name()  # a fork (my_kto.py) prints, and shows its progress, under its own name
-    args = validate(common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS))
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     if args.estimate_memory:
         print_memory_plan(args)
+    validate(args)  # after the plan, which reads only config.json and exits
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())
     device = common.device()

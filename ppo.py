@@ -428,10 +428,11 @@ def rollout_metrics(scores, kl, non_score_reward, values, returns, mask, truncat
 # ============================================================================ main
 def main():
     script = common.script_name()  # a fork (my_ppo.py) prints, and shows its progress, under its own name
-    args = validate(common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS))
+    args = common.apply_defaults(common.parse_args(Args), EMBEDDED_DEFAULTS)
     rollout_batch = args.batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.estimate_memory:
         print_memory_plan(args)
+    validate(args)  # after the plan, which reads only config.json and exits
     parallel.init_distributed()  # under torchrun: join the process group; a no-op otherwise
     common.set_seed(args.seed + parallel.rank())  # rank-offset global RNG; the samples draw from sampling_kwargs' seed
     device = common.device()

@@ -102,10 +102,11 @@ def load_tools_for_prompts(spec, prompts, dataset):
     the chat template renders, so the prompts must be conversations."""
     if not spec:
         return []
+    tools = load_tools(spec)  # first: a file that fails to import is the first thing to fix
     if not all(data.is_conversational(p) for p in prompts):
         basics.fail(f"--tools needs conversational prompts (lists of {{role, content}} messages) in {data.dataset_name(dataset)}: "
                     "tool turns are rendered by the chat template.")
-    return load_tools(spec)
+    return tools
 
 
 # ============================================================================ 2. parsing
