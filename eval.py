@@ -482,6 +482,9 @@ def main():
     elif args.dataset == common.IFEVAL:
         ds = common.ifeval_split("test")  # the same for every seed
         split = "test split"
+    elif data.is_task(args.dataset):
+        ds = data.named_data(args.dataset, "test", "test", 0)  # the test split, the same for every seed
+        split = "test split"
     else:
         ds = data.load_data(args.dataset, args.dataset_split)
         split = f"split {args.dataset_split}" if not os.path.isfile(args.dataset) else "file"

@@ -71,6 +71,7 @@ whose tests are empty, blank or not of TEST_FORM is refused with an error naming
 """
 
 import ast
+import functools
 import marshal
 import os
 import re
@@ -274,9 +275,11 @@ def _frame(raw):
         return None
 
 
-def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES):
+def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES, preload=()):
     """One run: (status, report or None, output). `calls` None: run `tests` as statements.
-    Nothing the child writes outlives it (as root its only writable places are its tmpfs)."""
+    `preload`: modules besides PRELOAD the code may import where the unprivileged uid cannot read
+    the standard library (_stdlib_readable). Nothing the child writes outlives it (as root its
+    only writable places are its tmpfs)."""
     private = tempfile.mkdtemp(prefix="sandbox-io-")  # ours (mode 700): its output and report files
     uid = _uid(slot)
     workdir = private if uid is not None else tempfile.mkdtemp(prefix="sandbox-")  # as root: cwd until /tmp
@@ -284,7 +287,7 @@ def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES)
         job = marshal.dumps({"code": code, "tests": list(tests), "calls": calls, "uid": uid, "limits": _limits(timeout),
                              "scratch": [p for p in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(p)],
                              "scratch_mb": SCRATCH_MB, "seccomp": SECCOMP.get(os.uname().machine),
-                             "preload": PRELOAD if uid is not None and not _stdlib_readable() else ()})
+                             "preload": (*PRELOAD, *preload) if uid is not None and not _stdlib_readable() else ()})
         out_path, res_path = os.path.join(private, "output"), os.path.join(private, "report")
         with open(out_path, "wb") as out, open(res_path, "wb") as res:
             try:
@@ -323,10 +326,11 @@ def _spawn(code, timeout, slot, tests=(), calls=None, report_bytes=REPORT_BYTES)
     return ("error" if error.startswith("code:") else "ok"), report, output
 
 
-def run(code, tests, timeout=TIMEOUT, slot=0):
+def run(code, tests, timeout=TIMEOUT, slot=0, preload=()):
     """Run `code`, then each of `tests` (Python statements), in a fresh limited process -> Result.
-    A statement passes when it raises nothing, in the code's process: not a verifier (see `verify`)."""
-    status, report, output = _spawn(code, timeout, slot, tests=tests)
+    A statement passes when it raises nothing, in the code's process: not a verifier (see `verify`).
+    `preload`: standard modules the code may import besides PRELOAD (_spawn)."""
+    status, report, output = _spawn(code, timeout, slot, tests=tests, preload=preload)
     passed = report.get("passed") if status != "crashed" and report else None
     if not (type(passed) is list and len(passed) <= len(tests) and all(type(p) is bool for p in passed)):
         status, passed = ("crashed" if status != "timeout" else status), []
@@ -460,9 +464,9 @@ def _pool(fn, jobs, workers, timeout):
     return [results[key] for key in keys]
 
 
-def run_batch(jobs, workers=None, timeout=TIMEOUT):
-    """`run` on [(code, statements), ...] -> Results, in order."""
-    return _pool(run, jobs, workers, timeout)
+def run_batch(jobs, workers=None, timeout=TIMEOUT, preload=()):
+    """`run` on [(code, statements), ...] -> Results, in order (`preload`: as run's)."""
+    return _pool(functools.partial(run, preload=tuple(preload)), jobs, workers, timeout)
 
 
 def verify_batch(jobs, workers=None, timeout=TIMEOUT):
