@@ -50,7 +50,8 @@ def build_split(split):
 
 def program(completion_text, header):
     """What runs before the test: the problem's own prompt (imports, helpers, the signature with its
-    docstring, a body Python accepts), then the completion's code, whose definition replaces it."""
+    docstring and a `pass` Python accepts as its body), then the completion's code: a whole function
+    replaces the prompt's; an indented body, as HumanEval's own completions are, continues it."""
     return f"{header}\n    pass\n\n{sandbox.extract_code(completion_text)}\n"
 
 

@@ -15,7 +15,8 @@ seed; default: the script's --seed), `test_size` (TEST_SIZE) and `test_seed` (TE
 training seed, and the training split drops every question the test split holds, so the two are
 disjoint in prompts and not only in seeds.
 
-Each row: `prompt` (one user turn: the question and FORMAT, the answer format), `answer` (the
+Each row: `prompt` (EXAMPLE, one question on no task's subject answered in the format, then the
+user turn: the question and FORMAT, the answer format), `answer` (the
 task's reference answer), `entry` (the task's whole entry as JSON, what score_answer reads),
 `task`. The model must answer inside <answer>...</answer>: `extract_answer` takes the last such
 span, in training (the verifiers) and in eval.py alike, and a completion without one scores 0.
@@ -38,6 +39,10 @@ TEST_SEED = 1_000_003  # the test split's seed: no training seed a sweep uses
 INSTALL = "pip install -r requirements-tasks.txt"
 # the answer format, stated in every prompt (Reasoning Gym's own examples ask for the same tags)
 FORMAT = "Give your final answer inside <answer></answer> tags, for example <answer>your answer</answer>."
+# one worked turn before the question, on no task's subject: SmolLM2-135M-Instruct, told the format
+# alone, tagged none of 16 chain_sum answers; after this turn, all 16
+EXAMPLE = [{"role": "user", "content": f"What is the capital of France?\n\n{FORMAT}"},
+           {"role": "assistant", "content": "<answer>Paris</answer>"}]
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _OPTIONS = ("size", "seed", "test_size", "test_seed")
 
@@ -142,7 +147,7 @@ def build_split(spec, split, seed=0):
             raise SystemExit(f"error: --dataset {spec}: every training question is also a test question; widen the task's config.")
     rows = []
     for e in entries:
-        row = {"prompt": [{"role": "user", "content": f"{e['question']}\n\n{FORMAT}"}], "answer": str(e["answer"]),
+        row = {"prompt": EXAMPLE + [{"role": "user", "content": f"{e['question']}\n\n{FORMAT}"}], "answer": str(e["answer"]),
                "entry": json.dumps(e, default=str), "task": task}
         if split == "sft":
             row["completion"] = [{"role": "assistant", "content": f"<answer>{e['answer']}</answer>"}]
