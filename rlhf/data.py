@@ -96,7 +96,7 @@ def is_task(spec):
 def reasoning_gym_split(spec, world_split, seed=0):
     """A split of `--dataset reasoning_gym:TASK[:options]` (worlds/reasoning_gym_tasks.py: `test` the
     same for every seed, the others drawn with `seed` and disjoint from it), built once per process."""
-    key = (spec, "test" if world_split == "test" else world_split, seed)
+    key = (spec, world_split, None if world_split == "test" else seed)
     if key not in _TASK_CACHE:
         _TASK_CACHE[key] = reasoning_gym_tasks.build_split(spec, world_split, seed)
     return _TASK_CACHE[key]
