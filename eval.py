@@ -143,7 +143,7 @@ class Args(VllmArgs, ModelArgs):
     judge_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "With --judge http: the environment variable holding the API key, sent as a Bearer token (unset: no key sent)."})
     judge_timeout: float = field(default=60.0, metadata={"help": "With --judge http: seconds one request may take in all (connection, reply) before it is tried again."})
     judge_max_retries: int = field(default=3, metadata={"help": "With --judge http: tries after a failed one (timeout, refused connection, 5xx) before the run stops."})
-    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers) or file.py:function, called by keyword as TRL calls them (docs/usage.md)."})
+    reward_fn: str = field(default="gold", metadata={"help": "With --judge gold: comma-separated reward functions: 'gold' (the embedded world's judge), arith_strict | arith_lenient (the arithmetic world's verifiers), reasoning_gym_strict, humaneval, file.py:function or a module's function (trl.rewards:accuracy_reward), called by keyword as TRL calls them (docs/usage.md)."})
     reward_weights: str = field(default="", metadata={"help": "Comma-separated weights, one per --reward_fn (default: all 1); the judge's score is the weighted sum over the functions that do not return None, as in grpo.py."})
     num_samples: int = field(default=0, metadata={"help": "n: completions sampled per prompt at --temperature for pass@k, with a verifier as the judge (0: off)."})
     pass_k: str = field(default="", metadata={"help": "Comma-separated k for pass@k, each at most --num_samples (default: 1, 2, 4, ... up to --num_samples)."})
@@ -508,6 +508,9 @@ def main():
         split = "test split"
     elif args.dataset == common.IFEVAL:
         ds = common.ifeval_split("test")  # the same for every seed
+        split = "test split"
+    elif data.is_task(args.dataset):
+        ds = data.named_data(args.dataset, "test", "test", 0)  # the test split, the same for every seed
         split = "test split"
     else:
         ds = data.load_data(args.dataset, args.dataset_split)

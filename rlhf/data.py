@@ -13,6 +13,8 @@ import torch
 
 from rlhf import basics
 from rlhf import parallel
+from rlhf import humaneval
+from worlds import reasoning_gym_tasks
 
 
 def load_data(spec, split="train"):
@@ -67,7 +69,7 @@ def training_data(args, world_split):
 
 def named_data(spec, split, world_split, seed):
     """An embedded world's `world_split` split when `spec` names one (embedded, embedded:arith...,
-    embedded:code), otherwise load_data(spec, split)."""
+    embedded:code), a Reasoning Gym task's (reasoning_gym:TASK), HumanEval's (humaneval), otherwise load_data(spec, split)."""
     if spec == basics.EMBEDDED:
         return basics.embedded_world(seed)[world_split]
     if spec.startswith(basics.ARITH):
@@ -76,7 +78,29 @@ def named_data(spec, split, world_split, seed):
         return basics.code_split(world_split, seed)
     if spec == basics.IFEVAL:
         return basics.ifeval_split(world_split, seed)
+    if spec.startswith(reasoning_gym_tasks.SPEC):
+        return reasoning_gym_split(spec, world_split, seed)
+    if spec == humaneval.SPEC:
+        return humaneval.build_split(world_split)
     return load_data(spec, split)
+
+
+_TASK_CACHE = {}
+
+
+def is_task(spec):
+    """Whether --dataset names a task from a package (reasoning_gym:TASK, humaneval): a fixed test
+    split, as the worlds have."""
+    return spec.startswith(reasoning_gym_tasks.SPEC) or spec == humaneval.SPEC
+
+
+def reasoning_gym_split(spec, world_split, seed=0):
+    """A split of `--dataset reasoning_gym:TASK[:options]` (worlds/reasoning_gym_tasks.py: `test` the
+    same for every seed, the others drawn with `seed` and disjoint from it), built once per process."""
+    key = (spec, world_split, None if world_split == "test" else seed)
+    if key not in _TASK_CACHE:
+        _TASK_CACHE[key] = reasoning_gym_tasks.build_split(spec, world_split, seed)
+    return _TASK_CACHE[key]
 
 
 def set_max_steps(args, num_examples, examples_per_step):

@@ -12,23 +12,29 @@ import importlib.util
 import inspect
 import math
 import os
+import re
 import types
 
 import torch
 
+from rlhf import humaneval
 from rlhf import sandbox
 from worlds import world
 from worlds import world_arith
 from worlds import world_ifeval
+from worlds import reasoning_gym_tasks
 from rlhf.basics import exec_user_file, fail, moved, script_name
 
 
 def load_reward_fn(spec):
-    """`file.py:function` -> the function, called as TRL calls it (call_reward_fns: by keyword,
+    """`file.py:function` or a module's `package.module:function` / `package.module.function` (TRL's
+    CLI form: `trl.rewards:accuracy_reward`) -> the function, called as TRL calls it (call_reward_fns: by keyword,
     fn(prompts=, completions=, completion_ids=, **columns, ...) -> floats or None); `gold` -> the embedded world's gold judge; `arith_strict`,
     `arith_lenient` -> the arithmetic world's verifiers; `exec_tests`, `exec_tests_strict` -> the
     execution verifiers (sandbox.py: the completion's code against the `tests` column); `ifeval_strict`,
-    `ifeval_<family>` -> the instruction-following world's verifiers (world_ifeval.py)."""
+    `ifeval_<family>` -> the instruction-following world's verifiers (world_ifeval.py); `reasoning_gym`,
+    `reasoning_gym_strict` -> a Reasoning Gym task's own score_answer on the row's `entry`
+    (reasoning_gym_tasks.py); `humaneval` -> a HumanEval problem's own tests (humaneval.py)."""
     if spec == "gold":
         return world.gold_reward
     if spec in world_arith.VERIFIERS:
@@ -37,9 +43,16 @@ def load_reward_fn(spec):
         return sandbox.VERIFIERS[spec]
     if spec in world_ifeval.VERIFIERS:
         return world_ifeval.VERIFIERS[spec]
+    if spec in humaneval.VERIFIERS:
+        return humaneval.VERIFIERS[spec]
+    if spec in reasoning_gym_tasks.VERIFIERS:
+        return reasoning_gym_tasks.VERIFIERS[spec]
+    if is_module_spec(spec):
+        return load_module_fn(spec)
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        fail(f"--reward_fn {spec!r}: expected file.py:function (or gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS, 'ifeval_strict', 'ifeval_<family>'])}).")
+        fail(f"--reward_fn {spec!r}: expected file.py:function, a module's function (package.module:function or "
+             f"package.module.function) or one of gold, {', '.join([*world_arith.VERIFIERS, *sandbox.VERIFIERS, 'ifeval_strict', 'ifeval_<family>', *reasoning_gym_tasks.VERIFIERS, *humaneval.VERIFIERS])}.")
     if not os.path.isfile(path):
         fail(f"--reward_fn {spec!r}: file {path} does not exist{moved(path)}.")
     module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(path))}", path)
@@ -51,6 +64,35 @@ def load_reward_fn(spec):
              "(it is executed when loaded) and run again.")
     if not callable(getattr(module, name, None)):
         fail(f"--reward_fn {spec!r}: {path} defines no function {name!r}.")
+    return getattr(module, name)
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_module_spec(spec):
+    """Whether --reward_fn names a function of an importable module, as TRL's CLI takes it:
+    `package.module:function` or `package.module.function` (dotted names, no path, no .py file)."""
+    module, colon, name = spec.partition(":")
+    if colon:
+        return bool(_DOTTED.fullmatch(module)) and name.isidentifier() and not module.endswith(".py")
+    return "." in spec and bool(_DOTTED.fullmatch(spec)) and not spec.endswith(".py")
+
+
+def load_module_fn(spec):
+    """`package.module:function` or `package.module.function` -> that function, imported as Python
+    imports it (the module runs, as any import does: only name modules you trust)."""
+    module_name, colon, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        fail(f"--reward_fn {spec!r}: no module {e.name!r} can be imported here; install the package that provides "
+             f"{module_name} (e.g. pip install trl math-verify for trl.rewards) or pass file.py:function.")
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the module's own error at import: name it
+        fail(f"--reward_fn {spec!r}: importing {module_name} raised {type(e).__name__}: {str(e)[:300]}; fix or "
+             "install that module and run again.")
+    if not callable(getattr(module, name, None)):
+        fail(f"--reward_fn {spec!r}: the module {module_name} defines no function {name!r}.")
     return getattr(module, name)
 
 

@@ -566,3 +566,32 @@ def test_a_kto_step_has_trls_loss(policy, base, trl_kto):
     assert abs(float(losses.mean()) - 0.5) > 1e-3  # the policy is not its reference
     assert abs(float(losses.mean()) - trl_kto["loss"]) < 1e-5, (float(losses.mean()), trl_kto["loss"])
     assert abs(float(z0) - trl_kto["kl"]) < 1e-4 and (float(z0) > 0.01) == trl_kto["swapped"]
+
+
+# ============================================================================ 5. TRL's reward functions by name
+def test_trls_accuracy_reward_by_its_dotted_name_in_grpo_and_eval(files, tmp_path):
+    """--reward_fn trl.rewards:accuracy_reward (TRL's CLI form, math-verify behind it) trains a GRPO
+    step and judges eval.py, unchanged: eval.py's per-answer scores are what TRL's function gives
+    the same answers, called directly in .venv-bench."""
+    python = trl_python()
+    questions = ["What is 17 + 25? Answer with the number in $...$.", "What is 9 times 7? Answer in $...$."]
+    data_file = write_jsonl(tmp_path / "math.jsonl", [{"prompt": user(q), "solution": s} for q, s in zip(questions, ["$42$", "$63$"])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+    def run(*argv):
+        proc = subprocess.run([python, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+    run("grpo.py", "--model", MODEL, "--dataset", data_file, "--reward_fn", "trl.rewards:accuracy_reward", "--max_steps", "1",
+        "--batch_size", "2", "--num_generations", "2", "--max_completion_length", "8", "--dtype", "float32",
+        "--output_dir", str(tmp_path / "grpo"))
+    metrics = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
+    assert any("rewards/accuracy_reward/mean" in m for m in metrics)
+    run("eval.py", f"base={MODEL}", f"grpo={tmp_path / 'grpo'}", "--dataset", data_file, "--dataset_split", "train",
+        "--reward_fn", "trl.rewards.accuracy_reward", "--max_completion_length", "16", "--output_dir", str(tmp_path / "eval"))
+    generations = [json.loads(line) for line in open(tmp_path / "eval" / "generations.jsonl")]
+    judged = [json.loads(line) for line in open(tmp_path / "eval" / "judgments.jsonl")]
+    answer = trl("import json, sys\nfrom trl.rewards import accuracy_reward\njob = json.load(open(sys.argv[1]))\n"
+                 "json.dump([accuracy_reward([[{'role': 'assistant', 'content': t}] for t in job['texts']], job['solutions']) ],"
+                 " open(sys.argv[2], 'w'))",
+                 {"texts": [g["responses"]["base"] for g in generations], "solutions": ["$42$", "$63$"]}, tmp_path)[0]
+    assert [j["score_b"] for j in judged] == [float(a) if a is not None else 0.0 for a in answer]

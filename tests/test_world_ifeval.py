@@ -184,7 +184,9 @@ def test_splits_are_disjoint_fixed_and_hold_out_families():
     worlds = {s: wi.build_world(seed=s, sizes={"rl": 400}) for s in (0, 1)}
     test = worlds[0]["test"]
     assert len(test) >= 300 and test.to_list() == worlds[1]["test"].to_list()  # the same for every seed
-    assert set(test["family"]) == set(wi.WORLD_FAMILIES)
+    assert set(test["family"][:wi.TEST_SIZE]) == set(wi.WORLD_FAMILIES)
+    # then the same tasks in IFEval's wording, for every family IFEval has
+    assert set(test["family"][wi.TEST_SIZE:]) == {wi.IFEVAL + f for f in wi.WORLD_FAMILIES if f in wi.IFEVAL_WORDING}
     for world in worlds.values():
         rl = world["rl"]
         assert not set(rl["topic"]) & set(test["topic"])  # disjoint by topic (and number pair)
@@ -194,6 +196,8 @@ def test_splits_are_disjoint_fixed_and_hold_out_families():
     assert worlds[0]["rl"]["prompt"] != worlds[1]["rl"]["prompt"]
     for r in test:  # the family is the first constraint's; no contradicting pair
         fams = [wi.split_constraint(c)[0] for c in r["constraints"]]
+        assert all(f.startswith(wi.IFEVAL) for f in fams) == r["family"].startswith(wi.IFEVAL)  # one wording a prompt
+        fams, r["family"] = [wi.base_family(f) for f in fams], wi.base_family(r["family"])
         assert fams[0] == r["family"] and len(set(fams)) == len(fams)
         assert frozenset(fams) not in wi.CLASH
 
@@ -266,3 +270,83 @@ def test_seeds_table_runs_every_method_on_its_own_seeds_data():
     seeds = run("real-seeds-eval", "REAL_SEEDS=0 2")  # demo-real-seeds' last step (-n would run its loop's makes)
     for m in ("grpo", "dpo", "dpo_online", "ppo"):
         assert f" {m}=runs/real/{m},runs/real_seed2/{m} " in seeds
+
+
+# ---------------------------------------------------------------- IFEval's own checkers (lm-eval)
+def ifeval_checker(family, arg):
+    """lm-eval's checker of the IFEval instruction that `family` states in IFEval's wording, built
+    with the argument the world's prompt states."""
+    from lm_eval.tasks.ifeval import instructions_registry
+
+    iid = wi.IFEVAL_WORDING[family][0]
+    kwargs = {"include_word": lambda: {"keywords": [arg]}, "forbid_word": lambda: {"forbidden_words": [arg]},
+              "max_words": lambda: {"num_words": int(arg) + 1, "relation": "less than"},
+              "end_with": lambda: {"end_phrase": arg}, "bullets": lambda: {"num_bullets": int(arg)}}.get(family, dict)()
+    checker = instructions_registry.INSTRUCTION_DICT[iid](iid)
+    return checker, checker.build_description(**kwargs)
+
+
+def answers_for(row):
+    """Answers to one prompt: ones that meet and miss each family's rule at its edges (a full stop
+    after the end phrase, "it's" as two words, a keyword inside a longer word, a forbidden word's
+    plural), and the gaming answers the response checks refuse."""
+    kw, text = row["keyword"], row["prompt"][-1]["content"]
+    args = [wi.split_constraint(c)[1] for c in row["constraints"]]
+    arg = args[0] or "blue"
+    plain = f"The {kw} is calm and bright in the morning"
+    return [plain, plain + ".", plain.lower(), plain.upper(), plain.upper() + " " + arg.upper(), f"{plain} {arg}",
+            f"{plain} {arg}.", f'"{plain} {arg}"', f"{plain}, {arg}", f"the {kw} is calm, it's {arg}",
+            f"The {kw} is {arg}s and more", f"The {kw} is very old and golden {arg}", f"every {kw} is bold",
+            f"The {kw}'s colour is everyday and {arg}", f"* the {kw}\n* is calm\n* {arg}", f"- the {kw}\n- is {arg}",
+            f"**the {kw}** is calm\n* one\n- two", f'{{"answer": "the {kw} is {arg}"}}', f'```json\n{{"{kw}": 1}}\n```',
+            f"the {kw} " + " ".join(["word"] * int(args[0] if args[0].isdigit() else 3)), f"The {kw} {kw} {kw} is {arg}",
+            # gaming: empty, the argument alone, an echo of the prompt, degenerate, off-topic, addressed to the model
+            "", "   ", arg, text, f"{arg} {arg} {arg} {arg}", "It is calm and bright today.", "You are a helpful " + kw]
+
+
+def test_ifeval_wording_is_ifevals_own():
+    """Each family's IFEval wording is what lm-eval's build_description writes for its instruction."""
+    pytest.importorskip("lm_eval.tasks.ifeval.instructions", reason="lm-eval is not installed (pip install -r requirements-tasks.txt)")
+    for family, (_, wording) in wi.IFEVAL_WORDING.items():
+        arg = {"include_word": "morning", "forbid_word": "very", "max_words": "6", "end_with": "today", "bullets": "3"}.get(family, "")
+        _, theirs = ifeval_checker(family, arg)
+        assert wording.format(arg=arg, arg_plus_one=int(arg) + 1 if arg.isdigit() else "") == theirs, family
+
+
+def test_ifeval_checkers_agree_with_the_verifiers():
+    """On every other IFEval-worded test prompt and ~28 answers each (a few thousand in all, edges
+    and gaming answers included), the world's rule for each constraint (check_ifeval) gives what
+    lm-eval's checker gives, and the verifiers' score is IFEval's verdict with the response checks
+    on top: 1 exactly when the answer is a response and every IFEval checker passes it."""
+    pytest.importorskip("lm_eval.tasks.ifeval.instructions", reason="lm-eval is not installed (pip install -r requirements-tasks.txt)")
+    import langdetect
+
+    langdetect.DetectorFactory.seed = 0  # IFEval's case checkers ask langdetect, which samples
+    rows = [r for r in wi.build_world(0, sizes={"rl": 10})["test"] if r["family"].startswith(wi.IFEVAL)][::2]
+    language_decides = 0
+    compared, refused, not_english, families = 0, 0, [], set()
+    for row in rows:
+        cs = [wi.split_constraint(c) for c in row["constraints"]]
+        checkers = [(wi.base_family(f), arg, ifeval_checker(wi.base_family(f), arg)[0]) for f, arg in cs]
+        for answer in answers_for(row):
+            verdicts = []
+            for family, arg, checker in checkers:
+                theirs = bool(checker.check_following(answer)) if answer.strip() else False  # IFEval scores an empty answer 0
+                if family in ("lowercase", "uppercase") and any(c.isalpha() for c in answer) and langdetect.detect(answer) != "en":
+                    # IFEval's case checkers also ask langdetect for English; check_ifeval does not (its docstring)
+                    theirs = answer.islower() if family == "lowercase" else answer.isupper()
+                    not_english.append(answer)
+                ours = bool(wi.check_ifeval(family, arg, answer)) if answer.strip() else False
+                assert ours == theirs, (row["constraints"], family, answer)
+                verdicts.append(theirs)
+                families.add(family)
+                compared += 1
+            response = wi.is_response(answer, wi._prompt_text(row["prompt"]), row["constraints"], row["keyword"])
+            assert score(answer, row["constraints"], row["keyword"], prompt=row["prompt"][-1]["content"]) == float(response and all(verdicts))
+            refused += not response
+            language_decides += response and answer in not_english
+    assert compared >= 300 and refused >= len(rows) * 6  # a few thousand verdicts; every gaming answer refused
+    # the one rule left out: langdetect calls some short all-capital or all-lowercase English answers
+    # another language (67 of 3780 verdicts here), where IFEval gives 0 and the verifiers 1
+    assert language_decides <= compared / 20, language_decides
+    assert families == {f for f in wi.WORLD_FAMILIES if f in wi.IFEVAL_WORDING}

@@ -35,8 +35,18 @@ turn's first OPENING_WORDS words ("You are") speaks as the system prompt does, t
 is not a response to the user's task. The rule costs a user's answer that legitimately starts
 "You are" (a sentence about a friend, say); the base model wrote none of those on the test split.
 
+**IFEval's wording**: the test split's TEST_SIZE prompts are followed by the same tasks with their
+constraints worded as IFEval words them (IFEVAL_WORDING: "Your entire response should be in
+English, and in all lowercase letters. No capital letters are allowed.") for every prompt whose
+families IFEval also has (not start_with, not number_only). Their constraints, "ifeval.<family>",
+are judged by IFEval's own rule for that instruction (check_ifeval: "Finish your response with
+this exact phrase today." passes "... today" and fails "... today."), beneath the same response
+checks; `--group_by family` reports them apart ("ifeval.lowercase"), so the held-out score says
+whether what training on the project's wording taught carries over to the benchmark's.
+tests/test_world_ifeval.py runs check_ifeval and lm-eval's own checkers over the same answers.
+
 **Splits**: `rl` (prompts for GRPO and for sampling DPO pairs) and `test` (TEST_SIZE prompts, the
-same for every seed). They are disjoint by topic (TEST_TOPICS is a fixed share of TOPICS; the
+same for every seed, and their IFEval-worded twins). They are disjoint by topic (TEST_TOPICS is a fixed share of TOPICS; the
 arithmetic questions of number_only by their pair of numbers) and so by prompt. The families in
 HELD_OUT never appear in the `rl` split, neither as primary nor as second constraint: the test
 split's rows of those families measure whether what training taught carries over to constraints
@@ -149,6 +159,28 @@ CLASH = {frozenset(p) for p in [("lowercase", "uppercase"), ("start_with", "quot
                                 ("json", "uppercase")]}
 SECOND_FAMILIES = ("lowercase", "include_word", "max_words", "no_commas", "start_with", "uppercase", "end_with")
 
+# IFEval's wording (Zhou et al. 2023; lm-eval's lm_eval/tasks/ifeval/instructions.py, build_description)
+# of the families IFEval also has: family -> (IFEval's instruction id, its wording, {arg} the
+# argument). A test row in this wording carries the constraint "ifeval.<family>:<arg>", which
+# check() judges by IFEval's own rule for that instruction (check_ifeval), not the project's.
+# start_with and number_only have no IFEval instruction. max_words' "at most N" is IFEval's
+# "less than N+1".
+IFEVAL_WORDING = {
+    "lowercase": ("change_case:english_lowercase",
+                  "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed."),
+    "uppercase": ("change_case:english_capital", "Your entire response should be in English, and in all capital letters."),
+    "include_word": ("keywords:existence", "Include keywords ['{arg}'] in the response."),
+    "forbid_word": ("keywords:forbidden_words", "Do not include keywords ['{arg}'] in the response."),
+    "max_words": ("length_constraints:number_words", "Answer with less than {arg_plus_one} words."),
+    "end_with": ("startend:end_checker", "Finish your response with this exact phrase {arg}. No other words should follow this phrase."),
+    "no_commas": ("punctuation:no_comma", "In your entire response, refrain from the use of any commas."),
+    "quotes": ("startend:quotation", "Wrap your entire response with double quotation marks."),
+    "bullets": ("detectable_format:number_bullet_lists", "Your answer must contain exactly {arg} bullet points. Use the "
+                "markdown bullet points such as:\n* This is point 1. \n* This is point 2"),
+    "json": ("detectable_format:json_format", "Entire output should be wrapped in JSON format. You can use markdown ticks such as ```."),
+}
+IFEVAL = "ifeval."  # the prefix of a constraint in IFEval's wording, judged by IFEval's rule
+
 
 # ---------------------------------------------------------------- what the verifiers read
 _WORD = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?")
@@ -185,6 +217,11 @@ def _prompt_text(prompt):
 def split_constraint(c):
     family, _, arg = c.partition(":")
     return family, arg
+
+
+def base_family(family):
+    """The family a constraint belongs to, whatever its wording ("ifeval.end_with" -> "end_with")."""
+    return family.removeprefix(IFEVAL)
 
 
 def mentions(text, keyword):
@@ -235,7 +272,7 @@ def is_response(text, prompt, constraints, keyword, system=SYSTEM):
     by its own constraint."""
     if not text.strip() or degenerate(text) or echoes(text, prompt) or addressed(text, system):
         return False
-    families = dict(split_constraint(c) for c in constraints)
+    families = {base_family(f): arg for f, arg in map(split_constraint, constraints)}
     if "number_only" in families:
         return True
     if len(words(text)) < MIN_WORDS:
@@ -270,8 +307,46 @@ def _bullets(text):
     return [ln[2:] for ln in lines]
 
 
+def check_ifeval(family, arg, text):
+    """IFEval's own rule for the instruction of `family` (IFEVAL_WORDING), on the whole answer, as
+    lm-eval's checkers judge it, except the language: lowercase and uppercase there also ask
+    langdetect for English, which this does not."""
+    if family == "lowercase":
+        return text.islower()
+    if family == "uppercase":
+        return text.isupper()
+    if family == "include_word":  # anywhere, any case: "golden" holds "old"
+        return arg.lower() in text.lower()
+    if family == "forbid_word":  # the word alone, any case ("very" forbids neither "every" nor "verys")
+        return re.search(rf"\b{re.escape(arg)}\b", text, flags=re.IGNORECASE) is None
+    if family == "max_words":  # less than N + 1 runs of word characters ("it's" is two)
+        return len(re.findall(r"\w+", text)) < int(arg) + 1
+    if family == "end_with":  # the exact phrase last, after an outer quote is dropped: no full stop after it
+        return text.strip().strip('"').lower().endswith(arg.strip().lower())
+    if family == "no_commas":
+        return "," not in text
+    if family == "quotes":
+        t = text.strip()
+        return len(t) > 1 and t[0] == '"' and t[-1] == '"'
+    if family == "bullets":  # lines starting "*" (not "**") or "-", however many other lines there are
+        return len(re.findall(r"^\s*\*[^\*].*$", text, flags=re.M)) + len(re.findall(r"^\s*-.*$", text, flags=re.M)) == int(arg)
+    if family == "json":  # any JSON value, a ``` fence (```json) around it allowed
+        t = text.strip()
+        for fence in ("```json", "```Json", "```JSON", "```"):
+            t = t.removeprefix(fence)
+        try:
+            json.loads(t.removesuffix("```").strip())
+        except ValueError:
+            return False
+        return True
+    raise ValueError(f"IFEval has no instruction for the family {family!r}")
+
+
 def check(family, arg, text):
-    """Whether the text meets one constraint (the response checks are is_response's)."""
+    """Whether the text meets one constraint (the response checks are is_response's); a constraint
+    in IFEval's wording ("ifeval.<family>") by IFEval's rule (check_ifeval)."""
+    if family.startswith(IFEVAL):
+        return check_ifeval(base_family(family), arg, text)
     ws = words(text)
     if family == "lowercase":
         return any(c.isalpha() for c in text) and text == text.lower()
@@ -318,9 +393,9 @@ def follows(text, prompt, constraints, keyword, only=None):
     if not is_response(body, prompt, constraints, keyword, system):
         return 0.0
     for family, arg in families:
-        if only is not None and family != only:
+        if only is not None and base_family(family) != only:
             continue
-        target = text if family in ("json", "quotes", "bullets", "number_only") else body
+        target = text if family in ("json", "quotes", "bullets", "number_only") or family.startswith(IFEVAL) else body
         if not check(family, arg, target):
             return 0.0
     return 1.0
@@ -335,7 +410,7 @@ def family_verifier(family):
     """`ifeval_<family>`: 1.0 / 0.0 whether a response meets that family's constraint, None on the
     prompts that do not hold it (TRL: the function does not apply)."""
     def verifier(prompts, completions, constraints, keyword, **columns):
-        return [follows(_text(c), p, cs, k, only=family) if any(split_constraint(x)[0] == family for x in cs) else None
+        return [follows(_text(c), p, cs, k, only=family) if any(base_family(split_constraint(x)[0]) == family for x in cs) else None
                 for p, c, cs, k in zip(prompts, completions, constraints, keyword)]
 
     verifier.__name__ = f"ifeval_{family}"
@@ -386,6 +461,19 @@ def number_row(rng, a, b):
             "topic": f"{a} + {b}", "keyword": str(a + b)}
 
 
+def ifeval_twin(row):
+    """The row in IFEval's wording: the same task, each constraint stated as IFEval states it and
+    judged by IFEval's rule ("ifeval.<family>:<arg>"); None when IFEval lacks one of its families."""
+    cs = [split_constraint(c) for c in row["constraints"]]
+    if row["family"] == "number_only" or not all(f in IFEVAL_WORDING for f, _ in cs):
+        return None
+    text = row["prompt"][-1]["content"]
+    task = next(t.format(topic=row["topic"]) for t in TASKS if text.startswith(t.format(topic=row["topic"])))
+    stated = [IFEVAL_WORDING[f][1].format(arg=arg, arg_plus_one=int(arg) + 1 if arg.isdigit() else "") for f, arg in cs]
+    return {**row, "prompt": conversation(" ".join([task] + stated)), "constraints": [f"{IFEVAL}{f}:{arg}" if arg else f"{IFEVAL}{f}" for f, arg in cs],
+            "family": IFEVAL + row["family"]}
+
+
 def draw_rows(rng, size, families, topics, pairs):
     """`size` rows, each family drawn uniformly as the primary one (number_only from `pairs`, which are used up)."""
     rows = []
@@ -402,7 +490,8 @@ def build_world(seed=0, sizes=None):
     `constraints`, `family`, `topic`, `keyword` (module docstring):
 
     - `rl`: RL_SIZE prompts on the training topics, without the HELD_OUT families (changes with the seed);
-    - `test`: TEST_SIZE prompts on the test topics, every family (the same for every seed).
+    - `test`: TEST_SIZE prompts on the test topics, every family (the same for every seed), then
+      those whose every family IFEval has again, in IFEval's wording (ifeval_twin: family "ifeval.<family>").
     """
     sizes = {"rl": RL_SIZE, "test": TEST_SIZE, **(sizes or {})}
     test_topics = TOPICS[::TEST_TOPIC_EVERY]
@@ -411,6 +500,7 @@ def build_world(seed=0, sizes=None):
     random.Random(12345).shuffle(pairs)
     test_pairs, train_pairs = pairs[:2000], pairs[2000:]  # the number_only questions, disjoint
     test = draw_rows(random.Random(0), sizes["test"], WORLD_FAMILIES, test_topics, test_pairs)
+    test += [twin for twin in map(ifeval_twin, test) if twin is not None]  # the same tasks in IFEval's wording
     train_families = tuple(f for f in WORLD_FAMILIES if f not in HELD_OUT)
     rng = random.Random(1_000_003 + seed)
     rng.shuffle(train_pairs)
