@@ -31,7 +31,7 @@ class MetricsLogger:
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.tracker = None
         self.window, self.num_tokens, self.num_tokens_before = [], 0, 0
-        self.steps, self.first_step, self.max_steps = start_step, start_step + 1, args.max_steps  # the time estimate
+        self.steps, self.first_step, self.max_steps = start_step, start_step + 1, getattr(args, "max_steps", 0)  # the time estimate
         if not parallel.is_main():  # under torchrun only rank 0 writes; the others only join the reduction in log()
             return
         checkpoints.claim_output_dir(args)
@@ -69,7 +69,7 @@ class MetricsLogger:
         self.steps += 1
         if self.steps == self.first_step and _RUN["start"] is not None and parallel.is_main():
             took, left = time.time() - _RUN["start"], self.max_steps - self.steps
-            if left:
+            if left > 0:
                 tqdm.write(f"{basics.script_name()}: step {self.steps} took {duration(took)}; the other {left} steps "
                            f"take about {duration(took * left)} at this pace (the first step also warms up).")
 

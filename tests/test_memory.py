@@ -100,7 +100,7 @@ def test_estimate_memory_command_line(qwen15_config, monkeypatch, capsys):
     assert tables["ppo"]["critic weights"] > 2.8 and tables["ppo"]["reward model"] > 2.8
     # a model that is not the embedded world's gets the pretrained (TRL) defaults; --batch_size 2 was passed
     assert "grpo: defaults for a pretrained model: learning_rate 1e-06, temperature 1, max_completion_length 256, " \
-           "batch_size 2, gradient_accumulation_steps 8" in procs["grpo"].stdout
+           "batch_size 2, gradient_accumulation_steps 1" in procs["grpo"].stdout
     assert "2 x 512 + 16 x 256 tokens" in procs["grpo"].stdout  # each prompt once, its 8 completions after it
     assert not os.path.exists(os.path.join(qwen15_config, "model.safetensors"))
 
