@@ -33,8 +33,7 @@ Departures from the paper and from TRL:
   reward-model noise must not become full-size advantages), group otherwise.
 - A reward function may return None (TRL's contract); a completion no function applies to gets
   reward NaN, is left out of its group's mean and std, and gets A = 0.
-- --reward_model scores are centred by the reward model's training mean, so logged rewards read
-  like PPO's; the advantages do not change.
+- --reward_model scores are centred by its training mean (logged rewards read like PPO's).
 - When another engine samples (--use_vllm), each token's loss is weighted by TRL's truncated or
   masked importance ratio pi_old / pi_sampler (`sampler_correction`). TRL's default bias
   correction of the KL by that ratio is not applied.
@@ -277,11 +276,12 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask
     return torch.clamp(rho, max=cap) if mode.endswith("truncate") else rho.masked_fill(rho > cap, 0.0)
 
 
-def sampler_correction(old_logprobs, sampling_logprobs, completion_mask, args):
-    """The importance weights for samples another engine drew (`sampling_logprobs` not None: --use_vllm)
-    and the gap's metrics (vllm_rollouts.gap_metrics); the weights are None with
-    --no_vllm_importance_sampling_correction (the gap is still logged). The trainer's own samples
-    need no correction: (None, {})."""
+def sampler_correction(old_logprobs, rollout, completion_mask, args):
+    """The importance weights for samples another engine drew (the rollout carries the engine's own
+    log-probs: --use_vllm) and the gap's metrics (vllm_rollouts.gap_metrics); the weights are None
+    with --no_vllm_importance_sampling_correction (the gap is still logged). The trainer's own
+    samples need no correction: (None, {})."""
+    sampling_logprobs = rollout.sampling_logprobs
     if sampling_logprobs is None:
         return None, {}
     is_weights = importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask,
@@ -668,7 +668,7 @@ def main():
                 prompt_ids, prompt_mask = s["prompt_ids"], s["prompt_mask"]
                 batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
                                 "attention_mask": rollout.attention_mask, "completion_mask": trained_mask(rollout, args),
-                                "reward": reward, "old_logprobs": None, "sampling_logprobs": rollout.sampling_logprobs,
+                                "reward": reward, "old_logprobs": None, "rollout": rollout,
                                 "ref_logprobs": reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, args.temperature)})
             rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
             # 4. group-relative advantages and the loss's normalisers, over every micro-batch on every rank
@@ -688,8 +688,7 @@ def main():
             # the first update of a rollout runs on the weights that sampled it: pi_old == pi, ratio exactly 1
             if mb["old_logprobs"] is None:
                 mb["old_logprobs"] = logprobs.detach()
-                mb["is_weights"], mb["gap"] = sampler_correction(mb["old_logprobs"], mb["sampling_logprobs"],
-                                                                 mb["completion_mask"], args)
+                mb["is_weights"], mb["gap"] = sampler_correction(mb["old_logprobs"], mb["rollout"], mb["completion_mask"], args)
             loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                       mb["completion_mask"], args, num_sequences, num_tokens, mb["is_weights"])
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights

@@ -407,10 +407,12 @@ def score_rollout(reward_fns, reward_model, rm_tokenizer, prompts, rollout, colu
     return scores
 
 
-def sampler_gap(old_logprobs, sampling_logprobs, completion_mask):
-    """How far another engine's log-probs (--use_vllm) are from pi_old's on its samples (`sampling/*`,
-    logged, not corrected); nothing for the trainer's own samples."""
-    return {} if sampling_logprobs is None else vllm_rollouts.gap_metrics(old_logprobs, sampling_logprobs, completion_mask)
+def sampler_gap(old_logprobs, rollout):
+    """How far another engine's log-probs (--use_vllm: the rollout carries them) are from pi_old's on
+    its samples (`sampling/*`, logged, not corrected); nothing for the trainer's own samples."""
+    if rollout.sampling_logprobs is None:
+        return {}
+    return vllm_rollouts.gap_metrics(old_logprobs, rollout.sampling_logprobs, rollout.completion_mask)
 
 
 def rollout_metrics(scores, kl, non_score_reward, values, returns, mask, truncated, reward_logs):
@@ -533,7 +535,7 @@ def main():
         # 5. log (means over the --logging_steps window), evaluate and save
         logger.update({**rollout_metrics(scores, kl, non_score_reward, values, returns, mask, rollout.truncated, reward_logs),
                        **tracking.mean_metrics(stats), "grad_norm": grad_norm, "step_time": time.time() - t0,
-                       **sampler_gap(old_logprobs, rollout.sampling_logprobs, batch["completion_mask"]), **sync_metrics}, num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
+                       **sampler_gap(old_logprobs, rollout), **sync_metrics}, num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)
             tracking.log_completions(args, step + 1, [raw_prompts[i] for i in idx], rollout.texts,
