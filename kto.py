@@ -153,12 +153,13 @@ def kl_blocks(n, batch_size, seed):
     return torch.tensor(rows).view(num_blocks, batch_size)
 
 
-def encode_rows(tokenizer, texts, rows, args, stop_ids):
-    """Token ids and masks of the rows `rows` (a block, this rank's part) of the rendered
-    (prompt, completion, label) texts, with each row's mismatched completion (the block's
-    completions rotated by one: y'_j = y_{j-1}), on the device."""
+def encode_rows(tokenizer, texts, block, args, stop_ids):
+    """Token ids and masks of this rank's rows of a block of the rendered (prompt, completion,
+    label) texts, with each row's mismatched completion (the whole block's completions rotated by
+    one, y'_j = y_{j-1}, then sharded like the rows: N ranks pair what one rank would), on the device."""
     prompts, completions, labels = texts
-    pairs = [rows[-1]] + rows[:-1]  # TRL's rotation: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})
+    pairs = parallel.shard([block[-1]] + block[:-1])  # TRL's rotation: (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})
+    rows = parallel.shard(block)
     prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in rows], args.max_prompt_length)  # (B, P)
     completion_ids, completion_mask = data.encode_completions(
         tokenizer, [completions[i] for i in rows] + [completions[i] for i in pairs], args.max_completion_length, stop_ids)
@@ -179,7 +180,7 @@ def precompute_ref_logps(model, tokenizer, texts, blocks, args, stop_ids):
     out = []
     with lora.adapters_off(model):
         for block in blocks:
-            batch = encode_rows(tokenizer, texts, parallel.shard(block.tolist()), args, stop_ids)
+            batch = encode_rows(tokenizer, texts, block.tolist(), args, stop_ids)
             out.append(torch.stack(row_logps(model, batch), 1).cpu())  # (B, 2)
     model.train(was_training)
     return torch.stack(out)
@@ -273,7 +274,7 @@ def main():
         for micro in range(args.gradient_accumulation_steps):
             # 1. the batch: one of the run's blocks (a new order each epoch), this rank's rows, their mismatched pairs
             block = data.batch_indices(len(blocks), 1, args.seed, step * args.gradient_accumulation_steps + micro)[0]
-            batch = encode_rows(tokenizer, texts, parallel.shard(blocks[block].tolist()), args, stop_ids)
+            batch = encode_rows(tokenizer, texts, blocks[block].tolist(), args, stop_ids)
             # 2. reference log-probs: from the cache, or a forward of the frozen reference
             ref_logps, ref_kl_logps = reference_logps(ref_cache, ref_model, block, batch)  # (B,), (B,)
             # 3. policy log-probs and the KTO loss (Eq. 7), mean over rows

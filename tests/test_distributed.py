@@ -358,3 +358,37 @@ def test_ppo_under_torchrun_with_fsdp2_resumes_exactly(tmp_path, tiny_qwen):
            [{k: v for k, v in r.items() if k not in drop} for r in rows[1:]]  # vf_loss: the critic too
     wa, wb = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(resumed, "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_kto_two_ranks_match_one_rank_with_twice_the_batch(tmp_path, tiny_qwen):
+    """kto.py under 2 CPU ranks: each rank trains its half of a block and the reference point z0 is
+    averaged over both, so 2 ranks x 4 rows train like 1 rank x 8 rows."""
+    data = tmp_path / "unpaired.jsonl"
+    with open(data, "w") as f:
+        for i in range(32):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i % 5} . TL;DR:",
+                                "completion": " bob sold car ." + " now" * (i % 3) if i % 2 else " alice" + " bike" * (i % 4) + " .",
+                                "label": bool(i % 2)}) + "\n")
+    argv = ["kto.py", "--model", tiny_qwen, "--dataset", str(data), "--max_steps", "4", "--learning_rate", "1e-3",
+            "--warmup_steps", "0", "--optim", "adamw"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    runs = [_launch(argv + ["--batch_size", "8", "--output_dir", one]),
+            _launch(argv + ["--batch_size", "4", "--output_dir", two], nproc=2)]
+    for run in runs:
+        _finish(run)
+    _assert_same_training(one, two, keys=("loss", "kl"))
+
+
+def test_grpo_dynamic_sampling_on_two_ranks(tmp_path, tiny_qwen):
+    """grpo.py --dynamic_sampling under 2 CPU ranks: a rank that must resample and one that need not
+    take the same number of extra rollouts (the sampler's collectives stay in step), and the run
+    finishes with the refill logged."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(16)))
+    (tmp_path / "r.py").write_text("def some(completions, **kw):\n    return [float(len(c) % 3 == 0) for c in completions]\n")
+    out = str(tmp_path / "two")
+    _finish(_launch(["grpo.py", "--model", tiny_qwen, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/r.py:some",
+                     "--dynamic_sampling", "--max_resample", "2", "--max_steps", "2", "--num_generations", "2",
+                     "--batch_size", "2", "--max_completion_length", "6", "--optim", "adamw", "--output_dir", out], nproc=2))
+    rows = _metrics(out)
+    assert len(rows) == 2 and all("dynamic_sampling/resamples" in r for r in rows), rows
