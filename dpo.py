@@ -281,10 +281,8 @@ def evaluate(model, ref_model, eval_ref, tokenizer, eval_texts, args, stop_ids):
     for i in range(0, len(prompts), args.eval_batch_size):
         s = slice(i, i + args.eval_batch_size)
         batch = encode_pairs(tokenizer, prompts[s], chosen[s], rejected[s], args, stop_ids)
-        if eval_ref is not None:
-            ref_chosen_logps, ref_rejected_logps = eval_ref[s].to(batch["prompt_ids"].device).unbind(1)
-        else:
-            ref_chosen_logps, ref_rejected_logps = pair_logps(ref_model, batch, args.loss_type)
+        # the precomputed cache, or the frozen reference (--use_peft: the policy, adapters off), as in training
+        ref_chosen_logps, ref_rejected_logps = reference_logps(eval_ref, ref_model, s, batch, args)
         chosen_logps, rejected_logps = pair_logps(model, batch, args.loss_type)
         out.append(torch.stack(dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                                         args.beta, args.loss_type, args.label_smoothing), 1).cpu())  # (b, 3)

@@ -323,3 +323,22 @@ def test_grpo_main_takes_the_reference_with_the_adapters_off(tiny_qwen, tmp_path
     assert rows[-1]["kl"] > 1e-5, [r["kl"] for r in rows]
     assert turned_off and all(turned_off)  # every reference pass switched a peft model's adapters off
     assert set(temperatures) == {0.8}
+
+
+def test_dpo_held_out_metrics_read_the_reference_with_the_adapters_off(tiny_qwen, pref_data, tmp_path, monkeypatch):
+    """dpo.py --use_peft --eval_dataset: the held-out loss and margins are the same whether the
+    reference log-probs are precomputed or come from the live reference (the policy with its
+    adapters off), and the trained policy is not its own reference (eval_loss is not ln 2)."""
+    from conftest import run_main
+
+    argv = ["--model", tiny_qwen, "--dataset", pref_data, "--eval_dataset", pref_data, "--use_peft", "--max_steps", "2",
+            "--learning_rate", "5e-2", "--warmup_steps", "0", "--batch_size", "4", "--optim", "adamw"]
+    evals = {}
+    for flag in ("--precompute_ref_logps", "--no_precompute_ref_logps"):
+        out = tmp_path / flag.strip("-")
+        run_main(dpo, argv + [flag, "--output_dir", str(out)], monkeypatch)
+        evals[flag] = json.load(open(out / "summary.json"))
+    on, off = evals["--precompute_ref_logps"], evals["--no_precompute_ref_logps"]
+    assert abs(on["eval_loss"] - math.log(2)) > 1e-4
+    assert off["eval_loss"] == pytest.approx(on["eval_loss"], abs=1e-5)
+    assert off["eval_rewards/margins"] == pytest.approx(on["eval_rewards/margins"], abs=1e-5)
