@@ -29,8 +29,9 @@ How one completion runs (`_spawn`):
   outlives the run and no run reads what another left. The interpreter's library folders that
   the unprivileged uid could not reach (a python under a mode-700 home, as pyenv or conda install
   it, or under /tmp) are bind-mounted again at their own path, read-only, over an empty tmpfs on
-  that home: the code imports the whole standard library and sees nothing else of the home
-  (`check` names any common module it still cannot import). It then drops to an unprivileged uid of
+  that home, without their site-packages (an empty tmpfs covers it): the code imports the whole
+  standard library and sees nothing else of the home (`check` names any common module it still
+  cannot import). It then drops to an unprivileged uid of
   its own (`_uid`: one per pool slot and per trainer process, one per concurrent run):
   RLIMIT_NPROC is enforced for it (root ignores it), it cannot read the trainer's memory or
   root's files, and it can signal no process but itself;
@@ -234,8 +235,13 @@ def main():
                     os.chmod(made, 0o755)
             need(libc.mount(("/proc/self/fd/%d" % held).encode(), path.encode(), None, 4096 | 16384, None) == 0,
                  "bind-mount " + path)  # MS_BIND | MS_REC
-            need(libc.mount(None, path.encode(), None, 32 | 4096 | 1, None) == 0, "remount read-only " + path)
+            need(libc.mount(None, path.encode(), None, 32 | 4096 | 1 | 2 | 4, None) == 0, "remount read-only " + path)
             os.close(held)
+            for sub in ("site-packages", "dist-packages"):  # the trainer's installed packages stay hidden (-S)
+                hide = os.path.join(path, sub)
+                if os.path.isdir(hide):
+                    need(libc.mount(b"tmpfs", hide.encode(), b"tmpfs", 1 | 2 | 4, b"size=64k,nr_inodes=16,mode=0755") == 0,
+                         "mount tmpfs on " + hide)
         for top in tops:  # MS_REMOUNT | MS_RDONLY
             need(libc.mount(None, top.encode(), None, 32 | 1, None) == 0, "remount read-only " + top)
         os.chdir("/tmp")
@@ -295,15 +301,28 @@ main()
 
 @contextlib.contextmanager
 def _any_digits():
-    """Python's limit on int <-> decimal text (4300 digits) lifted: a test may expect a big number."""
-    old = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else None
-    if old is not None:
-        sys.set_int_max_str_digits(0)
+    """Python's limit on int <-> decimal text (4300 digits) lifted: a test may expect a big number.
+    The limit is process-wide and verify runs in a pool of threads: it is lifted while any thread
+    is inside and restored when the last one leaves (a thread saving and restoring its own copy
+    would leave it lifted, or restore it under another thread's repr)."""
+    if not hasattr(sys, "set_int_max_str_digits"):
+        yield
+        return
+    with _DIGITS["lock"]:
+        if _DIGITS["inside"] == 0:
+            _DIGITS["limit"] = sys.get_int_max_str_digits()
+            sys.set_int_max_str_digits(0)
+        _DIGITS["inside"] += 1
     try:
         yield
     finally:
-        if old is not None:
-            sys.set_int_max_str_digits(old)
+        with _DIGITS["lock"]:
+            _DIGITS["inside"] -= 1
+            if _DIGITS["inside"] == 0:
+                sys.set_int_max_str_digits(_DIGITS["limit"])
+
+
+_DIGITS = {"lock": threading.Lock(), "inside": 0, "limit": None}  # _any_digits' shared state
 
 
 def _limits(timeout):

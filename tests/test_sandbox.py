@@ -260,3 +260,39 @@ def test_the_verifiers_are_reward_fn_names():
     rewards = common.call_reward_fns([sandbox.exec_tests, sandbox.exec_tests_strict], ["p", "q"],
                                      ["def f(x):\n    return x * x", "oops("], columns={"tests": [SQUARE_TESTS, SQUARE_TESTS]})
     assert rewards.tolist() == [[1.0, 1.0], [0.0, 0.0]]  # (completions, functions), called by keyword as TRL does
+
+
+def test_the_digit_limit_is_restored_when_threads_overlap():
+    """verify lifts Python's int-to-text digit limit from a pool of threads: while any of them is
+    inside, a huge int prints; once all have left, the trainer's limit is back. Threads enter one
+    after the other and leave first-in first-out, so the last to leave entered while the limit was
+    already lifted (a per-thread save and restore leaves it lifted)."""
+    import sys
+    import threading
+
+    if not hasattr(sys, "get_int_max_str_digits"):
+        pytest.skip("this Python has no digit limit")
+    limit, n = sys.get_int_max_str_digits(), 8
+    entered, left = [threading.Event() for _ in range(n)], [threading.Event() for _ in range(n)]
+    failures = []
+
+    def work(i):
+        if i:
+            entered[i - 1].wait(10)
+        with sandbox._any_digits():
+            entered[i].set()
+            entered[n - 1].wait(10)  # every thread inside
+            try:
+                repr(10 ** 5000)
+            except ValueError as e:
+                failures.append(e)
+            if i:
+                left[i - 1].wait(10)
+        left[i].set()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and sys.get_int_max_str_digits() == limit

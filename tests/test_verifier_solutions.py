@@ -102,3 +102,16 @@ def test_the_filter_denies_new_namespaces_memfd_and_pidfd():
              f"assert f({nr[2]}, b'x', 0) == 'denied'", f"assert f({nr[3]}, 1, 0) == 'denied'"]
     result = sandbox.verify(code, [sandbox.parse_test(t) for t in tests])
     assert result.passed == (True,) * 4, result.output
+
+
+@as_root
+def test_the_trainers_installed_packages_stay_hidden():
+    """Where the interpreter lives in a private home (pyenv under /root here), its library is shown
+    to the code again, but its site-packages is an empty, read-only folder."""
+    purelib = sysconfig.get_paths()["purelib"]
+    if not os.path.isdir(purelib) or searchable(purelib):
+        pytest.skip("the interpreter's site-packages is not in a private home here")
+    tests = [f"assert listing({purelib!r}) == []", f"assert can_write({purelib!r}) == False"]
+    code = LOOK + "def can_write(path):\n    return write(path) == 'written'\nimport typing"
+    result = sandbox.verify(code, [sandbox.parse_test(t) for t in tests])
+    assert result.passed == (True,) * 2, result.output
