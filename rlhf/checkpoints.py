@@ -267,7 +267,7 @@ def _save_folder(model, tokenizer, args, folder, state, state_dict):
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
         with open(os.path.join(tmp, "input_hashes.json"), "w") as f:  # what --resume checks the files against
-            json.dump(input_hashes(args), f, indent=2)
+            json.dump(run_input_hashes(args), f, indent=2)
         if state is not None:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         share_like_the_others(tmp)
@@ -556,13 +556,25 @@ def input_hashes(args):
     return hashes
 
 
+_RUN_INPUTS = {"args": None, "hashes": None}  # run_input_hashes' one reading per run
+
+
+def run_input_hashes(args):
+    """input_hashes of this run, read once when its inputs were loaded (maybe_resume, before step
+    1) and recorded by every checkpoint: a file edited mid-run is then one a resume refuses, and a
+    large --model folder is read once, by rank 0 alone (the ranks' inputs are the same)."""
+    if _RUN_INPUTS["args"] is not args:
+        _RUN_INPUTS.update(args=args, hashes=input_hashes(args) if parallel.is_main() else {})
+    return _RUN_INPUTS["hashes"]
+
+
 def check_input_files(args, folder):
     """Refuse a resume when a file or folder the flags name, or a module a --reward_fn or --tools
     file imported (input_hashes), changed content since `folder` was saved (a reward function or its
     helper edited mid-run, a dataset rewritten, the --model weights replaced), unless
     --resume_allow_changes."""
     path = os.path.join(folder, "input_hashes.json")
-    if not os.path.isfile(path):  # a checkpoint from before the hashes were recorded
+    if not parallel.is_main() or not os.path.isfile(path):  # rank 0 checks for all (no hashes: an older checkpoint)
         return
     try:
         with open(path) as f:
@@ -624,6 +636,7 @@ def maybe_resume(args, model, optimizer, scheduler, **stateful):
     Call after distribute() and make_optimizer/make_scheduler."""
     from torch.distributed.tensor import distribute_tensor
 
+    run_input_hashes(args)  # the inputs as this run loaded them, before any step (checkpoints record these)
     folder = args.resume_from_checkpoint or (last_checkpoint(args.output_dir) if args.resume else "")
     if not folder:
         if args.resume:

@@ -336,3 +336,19 @@ def test_resume_with_the_output_inside_the_model_folder(tmp_path, tiny_qwen, fil
     run_main(grpo, argv, monkeypatch)
     run_main(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch)
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_resume_refuses_a_reward_file_edited_before_the_first_checkpoint(tmp_path, tiny_qwen, files, monkeypatch, capsys):
+    """The checkpoints record the inputs as the run loaded them, not as they were at the save: a
+    reward file edited during step 1 (here, by itself on its first call) makes a resume refuse."""
+    out = str(tmp_path / "out")
+    reward = tmp_path / "self_editing.py"
+    reward.write_text("import os\n"
+                      "def length(completions, **kw):\n"
+                      "    with open(__file__, 'a') as f:\n"
+                      "        f.write('# edited during the run\\n')\n"
+                      "    return [float(len(c)) for c in completions]\n")
+    argv = tiny_grpo(tiny_qwen, files, "--reward_fn", f"{reward}:length", "--save_steps", "1", "--output_dir", out)
+    run_main(grpo, argv, monkeypatch)
+    message = main_error(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch, capsys)
+    assert f"{reward} (--reward_fn) is not the file {out}/checkpoint-1 was trained with (its content changed)" in message
