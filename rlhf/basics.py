@@ -203,3 +203,21 @@ def ifeval_split(split, seed=0):
 def passed(name):
     """Whether --name (or --name=..., --name-with-dashes) is on the command line."""
     return any(a.startswith("--") and a[2:].split("=")[0].replace("-", "_") == name for a in sys.argv[1:])
+
+
+_HASHES = {}  # (real path, size, mtime) -> sha256: a file is read once per process while it is unchanged
+
+
+def file_sha256(path):
+    """The SHA-256 of a file's content, read once per process while its size and mtime stay."""
+    import hashlib
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]

@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from rlhf import basics
+from rlhf import data
 from rlhf import lora
 from rlhf import parallel
 
@@ -486,24 +487,8 @@ RESUME_FREE = {"output_dir", "resume", "resume_from_checkpoint", "overwrite_outp
                "learning_rate", "max_grad_norm", "log_completions", "num_completions_to_print"}
 
 
-_HASHES = {}  # (path, size, mtime) -> sha256: a file is read once per process while it is unchanged
 MODEL_FILES = (".safetensors", ".bin", ".json", ".model", ".jinja", ".txt")  # what from_pretrained reads of a folder
-DATA_FILES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")  # what datasets reads of a folder (data.py)
 IMPORTS = "imports"  # input_hashes' key of the modules user files imported (basics.USER_IMPORTS)
-
-
-def _file_sha256(path):
-    import hashlib
-
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _HASHES[key] = digest.hexdigest()
-    return _HASHES[key]
 
 
 def fingerprint(path, skip=()):
@@ -514,7 +499,7 @@ def fingerprint(path, skip=()):
     import hashlib
 
     if os.path.isfile(path):
-        return _file_sha256(path)
+        return basics.file_sha256(path)
     if not os.path.isdir(path):
         return None
     digest = hashlib.sha256(b"folder\0")
@@ -523,9 +508,9 @@ def fingerprint(path, skip=()):
         for name in sorted(names):
             file = os.path.join(root, name)
             top = root == path
-            if name.startswith(".") or not os.path.isfile(file) or not name.endswith(DATA_FILES + (MODEL_FILES if top else ())):
+            if name.startswith(".") or not os.path.isfile(file) or not name.endswith(data.DATA_FILES + (MODEL_FILES if top else ())):
                 continue
-            digest.update(os.path.relpath(file, path).encode() + b"\0" + _file_sha256(file).encode())
+            digest.update(os.path.relpath(file, path).encode() + b"\0" + basics.file_sha256(file).encode())
     return digest.hexdigest()
 
 

