@@ -6,6 +6,7 @@ may import it. The README's file table lists the floors (ground, plumbing, kit, 
 imports only files on its own floor or below, with no loop; tests/test_imports.py checks both.
 """
 
+import contextlib
 import math
 import os
 import random
@@ -52,11 +53,19 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def exec_user_file(module_spec, module):
     """module_spec.loader.exec_module(module), noting in USER_IMPORTS the project-external modules
     it imported (a helper module next to a reward file can change the rewards as the file can)."""
+    with noting_user_imports():
+        module_spec.loader.exec_module(module)
+
+
+@contextlib.contextmanager
+def noting_user_imports():
+    """Note in USER_IMPORTS the project-external modules imported inside (not installed packages,
+    not the standard library, not the project's own): what a resume checks besides the flags' files."""
     import sysconfig
 
     before = set(sys.modules)
     try:
-        module_spec.loader.exec_module(module)
+        yield
     finally:
         installed = {os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")}
         ours = {os.path.join(_ROOT, "rlhf") + os.sep, os.path.join(_ROOT, "worlds") + os.sep}

@@ -23,7 +23,7 @@ from worlds import world
 from worlds import world_arith
 from worlds import world_ifeval
 from worlds import reasoning_gym_tasks
-from rlhf.basics import exec_user_file, fail, moved, script_name
+from rlhf.basics import exec_user_file, fail, moved, noting_user_imports, script_name
 
 
 def load_reward_fn(spec):
@@ -84,7 +84,8 @@ def load_module_fn(spec):
     imports it (the module runs, as any import does: only name modules you trust)."""
     module_name, colon, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        with noting_user_imports():  # a local module (and what it imports) is checked on resume, as a file is
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         fail(f"--reward_fn {spec!r}: no module {e.name!r} can be imported here; install the package that provides "
              f"{module_name} (e.g. pip install trl math-verify for trl.rewards) or pass file.py:function.")

@@ -352,3 +352,19 @@ def test_resume_refuses_a_reward_file_edited_before_the_first_checkpoint(tmp_pat
     run_main(grpo, argv, monkeypatch)
     message = main_error(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch, capsys)
     assert f"{reward} (--reward_fn) is not the file {out}/checkpoint-1 was trained with (its content changed)" in message
+
+
+def test_resume_refuses_a_changed_reward_module_named_by_its_dotted_path(tmp_path, tiny_qwen, files, monkeypatch, capsys):
+    """--reward_fn mymodule:fn (a module on the path, not a file): an edit of that module between
+    the runs is refused on resume as a file's is."""
+    out = str(tmp_path / "out")
+    module = tmp_path / "lengthy_rewards_for_resume.py"
+    module.write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = tiny_grpo(tiny_qwen, files, "--reward_fn", "lengthy_rewards_for_resume:length", "--save_steps", "1",
+                     "--output_dir", out)
+    run_main(grpo, argv, monkeypatch)
+    with open(module, "a") as f:
+        f.write("\n# edited\n")
+    message = main_error(grpo, [*argv, "--resume", "--max_steps", "2"], monkeypatch, capsys)
+    assert f"{module} (a module a --reward_fn or --tools file imported) is not the file" in message
