@@ -276,12 +276,12 @@ def importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask
     return torch.clamp(rho, max=cap) if mode.endswith("truncate") else rho.masked_fill(rho > cap, 0.0)
 
 
-def sampler_correction(old_logprobs, rollout, completion_mask, args):
-    """The importance weights for samples another engine drew (the rollout carries the engine's own
-    log-probs: --use_vllm) and the gap's metrics (vllm_rollouts.gap_metrics); the weights are None
-    with --no_vllm_importance_sampling_correction (the gap is still logged). The trainer's own
-    samples need no correction: (None, {})."""
-    sampling_logprobs = rollout.sampling_logprobs
+def sampler_correction(mb, args):
+    """The importance weights of a micro-batch (`micro_batch`) another engine sampled (it holds the
+    engine's own log-probs: --use_vllm), against its pi_old, and the gap's metrics
+    (vllm_rollouts.gap_metrics); the weights are None with --no_vllm_importance_sampling_correction
+    (the gap is still logged). The trainer's own samples need no correction: (None, {})."""
+    old_logprobs, sampling_logprobs, completion_mask = mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"]
     if sampling_logprobs is None:
         return None, {}
     is_weights = importance_sampling_weights(old_logprobs, sampling_logprobs, completion_mask,
@@ -476,6 +476,18 @@ def reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, temperature)
                                             rollout.attention_mask, temperature)
 
 
+def micro_batch(scored, ref_model, args):
+    """What the update reads of one micro-batch's rollout (sample_and_score): prompts, completions,
+    the masks of what the model read and of what is trained (`trained_mask`), the reward (to become
+    advantages), the reference's log-probs, and the sampler's own log-probs where another engine
+    sampled (`sampler_correction`); pi_old's come with the first update."""
+    rollout, prompt_ids, prompt_mask = scored["rollout"], scored["prompt_ids"], scored["prompt_mask"]
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
+            "attention_mask": rollout.attention_mask, "completion_mask": trained_mask(rollout, args),
+            "reward": scored["reward"], "old_logprobs": None, "sampling_logprobs": rollout.sampling_logprobs,
+            "ref_logprobs": reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, args.temperature)}
+
+
 def trained_mask(rollout, args):
     """The tokens the loss is taken over: the model's own (never tool replies); with
     --mask_truncated_completions none of a completion without EOS, whose reward judged an
@@ -485,14 +497,15 @@ def trained_mask(rollout, args):
     return rollout.completion_mask
 
 
-def log_completions(args, step, sample, advantages, raw_prompts, reward_names):
-    """--log_completions: a micro-batch's prompts, completions, each reward, the weighted reward,
-    the advantage and the reward functions' log_extra columns."""
-    group, texts, rewards_per_source, reward, extra = sample
-    tracking.log_completions(args, step, [raw_prompts[i] for i in group], texts, {
-        **{n: rewards_per_source[:, k] for k, n in enumerate(reward_names)}, "reward": reward,
-        "advantage": advantages, **extra})
-
+def log_completions(args, step, scored, advantages, raw_prompts, reward_names):
+    """--log_completions: a micro-batch's (sample_and_score) prompts, completions, each reward, the
+    weighted reward, the advantage and the reward functions' log_extra columns."""
+    if not args.log_completions:
+        return
+    per_source = scored["rewards_per_source"]
+    tracking.log_completions(args, step, [raw_prompts[i] for i in scored["group"]], scored["rollout"].texts, {
+        **{n: per_source[:, k] for k, n in enumerate(reward_names)}, "reward": scored["reward"],
+        "advantage": advantages, **scored["reward_logs"]["extra"]})
 
 
 def sample_and_score(sampler, model, world, idx, step, micro):
@@ -513,7 +526,7 @@ def sample_and_score(sampler, model, world, idx, step, micro):
                                args, G, step, reward_logs, rollout.messages)  # (N, K), NaN where a function returned None
     reward = common.weighted_rewards(rewards_per_source, world["weights"])  # (N,): sum over the rewards that apply
     check_rewards(reward, G, step)
-    return {"idx": list(idx), "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rollout": rollout, "group": group,
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rollout": rollout, "group": group,
             "rewards_per_source": rewards_per_source, "reward": reward, "reward_logs": reward_logs,
             "num_truncated": int(rollout.truncated.sum())}
 
@@ -537,7 +550,7 @@ def refill_tied_groups(scored, sampler, model, world, step, micro):
     args, G = world["args"], world["args"].num_generations
     if not args.dynamic_sampling:
         return scored, {}
-    B, parts = len(scored["idx"]), [scored]
+    B, parts = args.batch_size, [scored]
     keep, tied = [], []  # (part, group) pairs
     for k in range(args.max_resample + 1):
         if k:  # fresh prompts: another data order, a sampling seed past the step's micro-batches
@@ -574,8 +587,7 @@ def take_groups(parts, chosen, num_generations, pad_token_id):
     logs = [p["reward_logs"] for p in parts]
     extra = {c: listed(lambda p: p["reward_logs"]["extra"][c]) for c in logs[0]["extra"]
              if all(len(log["extra"].get(c, ())) == len(p["group"]) for log, p in zip(logs, parts))}
-    return {"idx": [parts[k]["idx"][g] for k, g in chosen],
-            "prompt_ids": gather("prompt_ids", pad_token_id), "prompt_mask": gather("prompt_mask", 0),
+    return {"prompt_ids": gather("prompt_ids", pad_token_id), "prompt_mask": gather("prompt_mask", 0),
             "rollout": rollouts.concat([rollouts.take_rows(p["rollout"], r) for p, r in zip(parts, rows) if r], pad_token_id),
             "group": listed(lambda p: p["group"]), "rewards_per_source": gather("rewards_per_source"),
             "reward": gather("reward"),
@@ -619,10 +631,10 @@ def main():
     reward_names = [r["name"] for r in rewards]
     eval_fns = common.load_eval_reward_fns(args.eval_reward_fn, reward_names)  # {name: fn}, scored, never trained on
     common.check_reward_datasets([r["fn"] for r in rewards if "fn" in r], eval_fns.values(), ds, eval_ds, args)
-    raw_prompts = ds["prompt"]  # what reward functions see: text or conversations
+    raw_prompts = list(ds["prompt"])  # what reward functions see: text or conversations (a list: read every step)
     prompts = [data.render_prompt(tokenizer, p, schemas) for p in raw_prompts]  # what the policy sees
     data.check_readable(tokenizer, prompts, args.model, args.dataset)
-    column_values = {c: ds[c] for c in extra_columns}
+    column_values = {c: list(ds[c]) for c in extra_columns}
     # what sampling and scoring a batch of prompt indices reads (sample_and_score)
     world = {"tokenizer": tokenizer, "prompts": prompts, "raw_prompts": raw_prompts, "columns": column_values,
              "rewards": rewards, "weights": weights, "args": args, "device": device}
@@ -648,7 +660,7 @@ def main():
     for step in pbar:
         # 1. rollout: a fresh batch every num_iterations steps, reused (off-policy) in between
         if step % args.num_iterations == 0:
-            batches, metrics_per_micro, samples = [], [], []
+            batches, metrics_per_micro = [], []
             sync_metrics = rollouts.load_weights(sampler, model)  # the sampler samples with the current weights
             for micro in tracking.within(range(args.gradient_accumulation_steps), "sampling"):
                 # this rank's prompts of the global batch; the rollout's number is the position in the data
@@ -658,18 +670,12 @@ def main():
                 s = sample_and_score(sampler, model, world, idx, step, micro)
                 # DAPO's dynamic sampling (--dynamic_sampling): groups whose rewards all tie give way to fresh prompts'
                 s, refill_metrics = refill_tied_groups(s, sampler, model, world, step, micro)
-                rollout, reward, rewards_per_source = s["rollout"], s["reward"], s["rewards_per_source"]
                 truncated_counts["completions_truncated"] += s["num_truncated"]  # no EOS within the length
-                metrics_per_micro.append({**rollout_metrics(rollout, reward, rewards_per_source, reward_names,
+                metrics_per_micro.append({**rollout_metrics(s["rollout"], s["reward"], s["rewards_per_source"], reward_names,
                                                             s["reward_logs"], G), **refill_metrics})
-                samples.append((s["group"], rollout.texts, rewards_per_source, reward, s["reward_logs"]["extra"]))
 
                 # 3. the reference's log-probs (the sampling policy's come with the first update)
-                prompt_ids, prompt_mask = s["prompt_ids"], s["prompt_mask"]
-                batches.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": rollout.completion_ids,
-                                "attention_mask": rollout.attention_mask, "completion_mask": trained_mask(rollout, args),
-                                "reward": reward, "old_logprobs": None, "rollout": rollout,
-                                "ref_logprobs": reference_logprobs(ref_model, prompt_ids, prompt_mask, rollout, args.temperature)})
+                batches.append(micro_batch(s, ref_model, args))
             rollouts.release(sampler)  # the sampler frees what it holds for the update, where it can
             # 4. group-relative advantages and the loss's normalisers, over every micro-batch on every rank
             advantages = batch_advantages([b.pop("reward") for b in batches], G, args.scale_rewards, args.advantage_estimator,
@@ -688,7 +694,7 @@ def main():
             # the first update of a rollout runs on the weights that sampled it: pi_old == pi, ratio exactly 1
             if mb["old_logprobs"] is None:
                 mb["old_logprobs"] = logprobs.detach()
-                mb["is_weights"], mb["gap"] = sampler_correction(mb["old_logprobs"], mb["rollout"], mb["completion_mask"], args)
+                mb["is_weights"], mb["gap"] = sampler_correction(mb, args)
             loss, metrics = grpo_loss(logprobs, mb["old_logprobs"], mb["ref_logprobs"], mb["advantages"],
                                       mb["completion_mask"], args, num_sequences, num_tokens, mb["is_weights"])
             common.check_finite("loss", loss, step + 1)  # stop before a NaN reaches the weights
@@ -708,7 +714,7 @@ def main():
                       num_tokens=rollout_tokens)  # prompt + completion tokens trained on in this step
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0]}, pbar)
-            log_completions(args, step + 1, samples[-1], batches[-1]["advantages"], raw_prompts, reward_names)
+            log_completions(args, step + 1, s, batches[-1]["advantages"], raw_prompts, reward_names)  # the last micro-batch
         if eval_ds is not None and args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             eval_metrics = evaluate(model, tokenizer, eval_ds, rewards, weights, eval_fns, args, step + 1)
             logger.log_eval(step + 1, eval_metrics)

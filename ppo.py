@@ -442,8 +442,8 @@ def main():
 
     # ---- data: prompts, plus any other columns for --reward_fn
     ds, eval_ds = data.prompt_data(args, "PPO")
-    raw_prompts = ds["prompt"]
-    columns = {c: ds[c] for c in ds.column_names if c != "prompt"}
+    raw_prompts = list(ds["prompt"])  # lists, not datasets Columns: rows are read every step
+    columns = {c: list(ds[c]) for c in ds.column_names if c != "prompt"}
     data.set_max_steps(args, len(ds), rollout_batch)  # --num_train_epochs: one step is one rollout batch
     common.print_step(args.batch_size * args.gradient_accumulation_steps * parallel.world_size(), 1, args.batch_size,
                       "none: TRL 1.16 has no PPO trainer", f"{rollout_batch} prompts a rollout, "
