@@ -61,12 +61,12 @@ class Args(TrainArgs):
     max_steps: int = field(default=250, metadata={"help": "Optimizer steps; cycles through the blocks as needed."})
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (TRL's default)."})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name."})
-    warmup_steps: int = field(default=5, metadata={"help": "Linear warm-up steps."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps (TRL's default)."})
     batch_size: int = field(default=8, metadata={"help": "Rows per micro-batch (at least 2: the KL point needs mismatched pairs)."})
 
 
 # the values tuned for the embedded world's tiny policy (common.apply_defaults; docs/kto.md)
-EMBEDDED_DEFAULTS = {"learning_rate": 1e-5, "max_steps": 250, "batch_size": 32}
+EMBEDDED_DEFAULTS = {"learning_rate": 1e-5, "max_steps": 250, "batch_size": 32, "warmup_steps": 5}
 
 
 def validate(args):

@@ -18,11 +18,11 @@ log-prob tensor the loss receives is recomputed from the weights it must come fr
 At the checked step every pair of these tensors differs, so swapping any two fails."""
 
 import inspect
-import json
 
 import pytest
 import torch
 from conftest import run_main
+from test_main_calls import preference_file, prompts_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import common
@@ -97,13 +97,6 @@ def apart(a, b, masks):
     return float(((a.detach() - b.detach()).abs() * masks).max()) > 1e-3
 
 
-def prompts_file(tmp_path, n=8):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n" for i in range(n)))
-    (tmp_path / "r.py").write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
-    return str(path), f"{tmp_path}/r.py:length"
-
-
 def test_grpo_second_update_of_a_reused_rollout(tmp_path, tiny_qwen, monkeypatch):
     """--num_iterations 2, 4 steps of 2 micro-batches: at steps 2 and 4 grpo_loss gets log pi of
     the current weights, log pi_old of the weights that sampled the rollout (steps 1 and 3) and
@@ -169,14 +162,6 @@ def test_ppo_second_rollout_and_second_minibatch(tmp_path, tiny_qwen, monkeypatc
             if checked == 4:  # step 2, second minibatch: one update past the rollout's weights
                 assert apart(e["logprobs"], e["old_logprobs"], e["mask"])
     assert checked == 4
-
-
-def preference_file(tmp_path, n=8):
-    path = tmp_path / "prefs.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"POST: alice bought the bike {i} . TL;DR:",
-                                        "chosen": " alice bought bike ." + " now" * (i % 3),
-                                        "rejected": " bob lost the phone ."}) + "\n" for i in range(n)))
-    return str(path)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])

@@ -110,14 +110,14 @@ def test_a_reply_sent_one_byte_at_a_time_is_cut_off_at_the_deadline():
                 h.wfile.flush()
             except OSError:
                 return
-            time.sleep(0.1)  # every read returns within the timeout; the whole reply takes ~4 s
+            time.sleep(0.3)  # every read returns within the timeout; the whole reply takes ~13 s
 
     url, _, stop = serve(drip)
     try:
         start = time.time()
         with pytest.raises(judges.JudgeUnreachable, match=r"gave no answer in 1 tries \(no complete reply within 0.5 s\)"):
             ask(url, timeout=0.5)
-        assert time.time() - start < 1.5
+        assert time.time() - start < 5  # one deadline for the request, not one per read (13 s); room for a loaded machine
     finally:
         stop()
 

@@ -149,7 +149,7 @@ def test_kto_main_passes_its_weights_and_the_reference(tmp_path, tiny_qwen, monk
     torch.testing.assert_close(call["ref_logps"], call["logps"].detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(call["ref_kl_logps"], call["kl_logps"].detach(), rtol=0, atol=1e-5)
     assert not torch.equal(call["logps"], call["kl_logps"])  # the mismatched pairs are other completions' contexts
-    assert all(f["batch"]["prompt_ids"].shape[1] == 4 for f in forwards)
+    assert forwards and all(f["batch"]["prompt_ids"].shape[1] == 4 for f in forwards)
 
 
 def test_ppo_main_passes_rewards_gae_targets_and_loss_weights(tmp_path, monkeypatch):

@@ -55,7 +55,8 @@ def test_the_checker_counts_what_it_claims(tmp_path):
 
 @pytest.mark.parametrize("path", ["sft.py", "reward.py", "ppo.py", "dpo.py", "grpo.py", "kto.py", "eval.py", "common.py", "sweep.py"]
                          + [f"worlds/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "worlds"))) if f.endswith(".py")]
-                         + [f"rlhf/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "rlhf"))) if f.endswith(".py")])
+                         + [f"rlhf/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "rlhf"))) if f.endswith(".py")]
+                         + [f"rlhf/evaluation/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "rlhf", "evaluation"))) if f.endswith(".py")])
 def test_no_history_in_code(path):
     """Code says why it is as it is, not how it got there: no dates, CHANGELOG pointers or "was N"."""
     hits = [f"{i + 1}: {line.strip()}" for i, line in enumerate(open(os.path.join(ROOT, path)).read().splitlines())

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from conftest import ROOT, trl_python
 
-CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "reward": "RewardConfig"}
+CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "reward": "RewardConfig", "kto": "KTOConfig"}
 DUMP = """
 import dataclasses, json, trl
 out = {}
