@@ -295,6 +295,33 @@ def test_a_pretrained_models_default_grpo_step_is_trls(tmp_path, tiny_llama, mon
             "per_device_train_batch_size=8, num_generations=8, gradient_accumulation_steps=1") in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("script", ["ppo", "dpo"])
+def test_a_pretrained_models_default_ppo_and_online_dpo_steps(script, tmp_path, tiny_llama, monkeypatch, capsys):
+    """ppo.py and dpo.py --online on a pretrained model with no batch flags: an optimizer step holds
+    8 prompts (TRL's per_device_train_batch_size 8, gradient_accumulation_steps 1), one completion
+    each for PPO and a pair for online DPO; PPO's rollout of two mini-batches is sampled in two
+    micro-batches of 8; the run prints both before the first step."""
+    import importlib
+
+    from conftest import run_main
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"POST: bob sold the car {i} . TL;DR:"}) + "\n"
+                                              for i in range(12)))
+    (tmp_path / "r.py").write_text("def length(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    calls = []
+    real = sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda *a, **k: calls.append((a[2].shape[0], k.get("num_return_sequences", 1))) or real(*a, **k))
+    judge = ["--max_completion_length", "4"] if script == "ppo" else ["--online", "--max_new_tokens", "4"]
+    run_main(importlib.import_module(script), ["--model", tiny_llama, "--dataset", str(tmp_path / "p.jsonl"), *judge,
+                                                "--reward_fn", f"{tmp_path}/r.py:length", "--max_steps", "1", "--optim", "adamw",
+                                                "--output_dir", str(tmp_path / "out")], monkeypatch)
+    per_prompt = 1 if script == "ppo" else 2
+    assert calls == [(8, per_prompt)] * (2 if script == "ppo" else 1)  # micro-batches of eight prompts
+    printed = capsys.readouterr().out
+    assert f"one optimizer step = 8 prompts x {per_prompt} completions = {8 * per_prompt} sequences" in printed
+    assert script == "dpo" or "(16 prompts a rollout, 4 optimizer steps on it)" in printed
+
+
 def test_progress_moves_within_a_step(monkeypatch):
     """tracking.within shows which micro-batch of a step is running beside the bar."""
     from tqdm.auto import tqdm
