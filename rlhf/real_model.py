@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 
@@ -152,8 +153,9 @@ def _source(folder, path):
 def gguf_folder(path):
     """`--model path/to/file.gguf`: the folder it is dequantized into once (fp32 safetensors beside
     the file, path/to/file/), which every script, reference, adapter merge and memory plan then
-    reads as a plain model folder. The folder's source.json holds the file's path and SHA-256: a
-    folder made from another file, or from an earlier content of this one, is refused. Two
+    reads as a plain model folder. The folder's source.json holds the file's path, SHA-256, size and
+    mtime (an unchanged size and mtime skip re-hashing a large file): a folder made from another
+    file, or from an earlier content of this one, is refused. Two
     conversions of one file take turns (a lock on the file): the second uses the first's folder."""
     import fcntl
 
@@ -168,9 +170,12 @@ def gguf_folder(path):
         except BlockingIOError:
             print(f"--model {path}: another process is converting this file; waiting for it")
             fcntl.flock(held, fcntl.LOCK_EX)
-        stamp = {"gguf": os.path.abspath(path), "sha256": file_sha256(path)}
+        st = os.stat(path)
         if os.path.isfile(os.path.join(folder, "config.json")):
             source = _source(folder, path)
+            unchanged = ((source.get("bytes"), source.get("mtime_ns")) == (st.st_size, st.st_mtime_ns)  # then no re-hash,
+                         and st.st_mtime_ns < source.get("stamped_ns", 0) - 2e9)  # unless written near the stamp (coarse clocks)
+            stamp = {"gguf": os.path.abspath(path), "sha256": source.get("sha256") if unchanged else file_sha256(path)}
             if {k: source.get(k) for k in stamp} != stamp:
                 fail(f"--model {path}: {folder}/ holds another model than this file (its source.json names another file "
                      "or another content): move one of them.")
@@ -179,7 +184,8 @@ def gguf_folder(path):
             fail(f"--model {path}: {folder}/ exists and is no model folder; the file is dequantized there: move it.")
         print(f"--model {path}: dequantizing it once into {folder}/ (fp32 safetensors)")
         model, tokenizer = load_gguf(path, dtype=torch.float32)
-        return save_plain(model, tokenizer, folder, {**stamp, "bytes": os.path.getsize(path),
+        return save_plain(model, tokenizer, folder, {"gguf": os.path.abspath(path), "sha256": file_sha256(path),
+                                                     "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "stamped_ns": time.time_ns(),
                                                      "weights": "dequantized to float32 by transformers (gguf_file)"})
 
 

@@ -100,6 +100,21 @@ def test_a_file_rewritten_in_place_with_the_same_size_is_not_served_from_the_old
         real_model.gguf_folder(path)
 
 
+def test_an_unchanged_file_is_not_hashed_again(tmp_path, fake_conversion, monkeypatch):
+    """A second start on an old, unchanged GGUF (size and mtime as source.json recorded them) skips
+    hashing the file; a file whose size changed is hashed and refused."""
+    path = gguf_file(tmp_path)
+    os.utime(path, ns=(time.time_ns() - 3600 * 10**9,) * 2)  # written an hour ago
+    real_model.gguf_folder(path)
+    monkeypatch.setattr(real_model, "file_sha256", lambda p: pytest.fail("hashed an unchanged file again"))
+    assert real_model.gguf_folder(path) == str(tmp_path / "x")
+    with open(path, "ab") as f:
+        f.write(b"\x01")
+    monkeypatch.setattr(real_model, "file_sha256", lambda p: "another")
+    with pytest.raises(SystemExit, match=r"holds another model than this file"):
+        real_model.gguf_folder(path)
+
+
 @pytest.mark.parametrize("source, reason", [(None, "FileNotFoundError"), ("{broken", "JSONDecodeError"), ("[1]", "ValueError")])
 def test_a_missing_or_broken_source_json_is_one_sentence(tmp_path, source, reason):
     path = gguf_file(tmp_path)
