@@ -3,6 +3,7 @@ another server (which must never receive the key), a reply sent one byte at a ti
 per request), a reply too large, non-finite log-probs, answers that are not exactly a verdict, and
 replies of the wrong shape: each one sentence, never a wrong probability or a traceback."""
 
+import base64
 import http.server
 import json
 import threading
@@ -180,5 +181,20 @@ def test_the_http_proxy_of_the_environment_is_used(monkeypatch):
     try:
         assert ask("http://judge.example/v1").tolist() == [0.0]
         assert seen == [("http://judge.example/v1/chat/completions", "Bearer sekret")]
+    finally:
+        stop()
+
+
+def test_a_proxy_with_a_login_gets_it(monkeypatch):
+    """http://user:password@proxy: the proxy gets basic Proxy-Authorization, as urllib sends it."""
+    logins = []
+    answer = reply_with({"choices": [{"message": {"content": "B"}}]})
+    proxy, seen, stop = serve(lambda h: logins.append(h.headers.get("Proxy-Authorization")) or answer(h))
+    monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0].replace("http://", "http://ann:p%40ss@"))
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        assert logins == ["Basic " + base64.b64encode(b"ann:p@ss").decode()]
     finally:
         stop()

@@ -204,11 +204,18 @@ def post_json(url, body, headers, timeout, max_bytes=MAX_REPLY_BYTES):
     proxy = urllib.request.getproxies().get(parts.scheme)  # HTTP(S)_PROXY, as urllib honours them
     if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
         via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        login = {}  # http://user:password@proxy:port, as urllib sends it: basic Proxy-Authorization
+        if via.username is not None:
+            import base64
+
+            pair = f"{urllib.parse.unquote(via.username)}:{urllib.parse.unquote(via.password or '')}"
+            login = {"Proxy-Authorization": "Basic " + base64.b64encode(pair.encode()).decode("ascii")}
         if parts.scheme == "https":  # a CONNECT tunnel: the proxy never sees the key
             connection = kind(via.hostname, via.port or 80, timeout=timeout)
-            connection.set_tunnel(parts.hostname, parts.port)
+            connection.set_tunnel(parts.hostname, parts.port, headers=login)
         else:  # plain HTTP through a proxy: the absolute URL in the request line
             connection, target = http.client.HTTPConnection(via.hostname, via.port or 80, timeout=timeout), url
+            headers = {**headers, **login}
     else:
         connection = kind(parts.hostname, parts.port, timeout=timeout)
     expired = threading.Event()
