@@ -554,7 +554,8 @@ def refill_tied_groups(scored, sampler, model, world, step, micro):
     keep, tied = [], []  # (part, group) pairs
     for k in range(args.max_resample + 1):
         if k:  # fresh prompts: another data order, a sampling seed past the step's micro-batches
-            idx = data.rank_batch(len(world["prompts"]), B, args.seed + k, step * args.gradient_accumulation_steps + micro)
+            idx = data.rank_batch(len(world["prompts"]), B, args.seed + k,
+                                  (step // args.num_iterations) * args.gradient_accumulation_steps + micro)
             parts.append(sample_and_score(sampler, model, world, idx, step, micro + k * args.gradient_accumulation_steps))
         for g, is_tied in enumerate(tied_groups(parts[-1]["reward"], G).tolist()):
             (tied if is_tied else keep).append((k, g))
