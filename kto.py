@@ -203,7 +203,7 @@ def render_rows(tokenizer, rows):
             [data.render_completion(tokenizer, p, c) for p, c, _ in rows], [bool(label) for _, _, label in rows])
 
 
-def row_metrics(loss, losses, rewards, logps, labels, z0):
+def row_metrics(loss, rewards, logps, labels, z0):
     """TRL's KTO metrics of one micro-batch: the loss, kl (z0), and the mean reward and log-prob
     of its desirable (chosen) and undesirable (rejected) rows."""
     metrics = {"loss": loss.detach(), "kl": z0}
@@ -285,7 +285,7 @@ def main():
             common.check_finite("loss", loss, step + 1)  # stop on NaN/inf before it reaches the weights
             (loss / args.gradient_accumulation_steps).backward()
             num_tokens += int(batch["prompt_mask"].sum()) + int(batch["completion_mask"].sum())
-            step_metrics.append(row_metrics(loss, losses, rewards, logps, batch["labels"], z0))
+            step_metrics.append(row_metrics(loss, rewards, logps, batch["labels"], z0))
         memory.log_memory(args.output_dir, model, optimizer, frozen=frozen)  # memory.json, once, at the first full step
         grad_norm = common.optimizer_step(optimizer, args.max_grad_norm, step + 1)  # clip, NaN guard, step, bf16 rounding
         scheduler.step()
