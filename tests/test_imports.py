@@ -13,13 +13,13 @@ FLOORS = ["ground", "plumbing", "kit", "scripts"]  # bottom to top
 PACKAGES = ["rlhf", "rlhf/evaluation", "worlds"]  # the plumbing's package (eval.py's own part) and the worlds
 
 
-def forks():
+def forks(root=ROOT):
     """The root's .py files that git does not track: a user's copies of a script (my_grpo.py) are
     theirs, and the project's rules are not checked on them. Outside a git checkout: none."""
-    tracked = subprocess.run(["git", "ls-files", "--", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    tracked = subprocess.run(["git", "ls-files", "--", "*.py"], cwd=root, capture_output=True, text=True)
     if tracked.returncode:
         return set()
-    return {f for f in os.listdir(ROOT) if f.endswith(".py")} - set(tracked.stdout.split())
+    return {f for f in os.listdir(root) if f.endswith(".py")} - set(tracked.stdout.split())
 
 
 def readme_floors():
@@ -29,11 +29,11 @@ def readme_floors():
     return {module.replace("/", "."): FLOORS.index(floor) for floor, module in rows if floor in FLOORS}
 
 
-def project_modules():
+def project_modules(root=ROOT):
     """{dotted module name: file} for the root's modules and those of the package folders."""
-    files = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py") and f not in forks()}
+    files = {f[:-3]: os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py") and f not in forks(root)}
     for pkg in PACKAGES:
-        files.update({f"{pkg.replace('/', '.')}.{f[:-3]}": os.path.join(ROOT, pkg, f) for f in os.listdir(os.path.join(ROOT, pkg))
+        files.update({f"{pkg.replace('/', '.')}.{f[:-3]}": os.path.join(root, pkg, f) for f in os.listdir(os.path.join(root, pkg))
                       if f.endswith(".py") and f != "__init__.py"})
     return files
 
@@ -112,17 +112,19 @@ def test_the_folders_show_the_layers():
 
 
 def test_a_fork_at_the_root_is_not_the_projects(tmp_path):
-    """A copy of a script beside it, untracked, is left out of the checks above; the project's
-    own files are all tracked."""
-    fork = os.path.join(ROOT, "my_fork_of_grpo_for_this_test.py")
+    """A copy of a script beside it, untracked, is left out of the checks above (shown in a git
+    checkout of its own, so the project's folder is never written); the project's own files are
+    all tracked."""
     assert "grpo.py" not in forks()
-    try:
-        with open(fork, "w") as f:
-            f.write(open(os.path.join(ROOT, "grpo.py")).read())
-        assert os.path.basename(fork) in forks() or not os.path.isdir(os.path.join(ROOT, ".git"))
-        assert "my_fork_of_grpo_for_this_test" not in project_modules()
-    finally:
-        os.remove(fork)
+    for pkg in PACKAGES:
+        os.makedirs(tmp_path / pkg)
+    (tmp_path / "grpo.py").write_text(open(os.path.join(ROOT, "grpo.py")).read())
+    git = {"cwd": tmp_path, "check": True, "capture_output": True}
+    subprocess.run(["git", "init", "-q"], **git)
+    subprocess.run(["git", "add", "grpo.py"], **git)
+    (tmp_path / "my_grpo.py").write_text((tmp_path / "grpo.py").read_text())
+    assert forks(tmp_path) == {"my_grpo.py"}
+    assert set(project_modules(tmp_path)) == {"grpo"}
 
 
 def test_a_module_in_a_package_is_seen_in_both_import_forms(tmp_path, monkeypatch):
