@@ -296,6 +296,7 @@ def test_resume_refuses_a_folder_or_imported_module_that_changed(tmp_path, tiny_
     from rlhf import basics
 
     monkeypatch.setattr(basics, "USER_IMPORTS", set())  # this test's imports only
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the reward file's sys.path.insert goes with the test
     model = tmp_path / "model"
     shutil.copytree(tiny_qwen, model)
     data = tmp_path / "data"
