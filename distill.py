@@ -313,7 +313,7 @@ def main():
         scheduler.step()
 
         # 3. log (means over the --logging_steps window) and save
-        metrics = tracking.mean_metrics(step_metrics)
+        metrics = tracking.window_mean(step_metrics)  # key by key: lengths only where the student sampled
         metrics["loss"] *= len(step_metrics)  # micro-batch losses are parts of one sum
         final = {"final_loss": float(metrics["loss"])}
         logger.update({**metrics, **sync_metrics, "grad_norm": grad_norm}, num_tokens=num_tokens)
