@@ -129,7 +129,7 @@ def test_distill_main_on_the_embedded_world(pair, tmp_path, monkeypatch, lmbda, 
     monkeypatch.setattr(distill, "micro_batch", recording)
     out = str(tmp_path / "out")
     run_main(distill, ["--model", pair["student"], "--teacher", pair["teacher"], "--max_steps", "4", "--batch_size", "4",
-                       "--gradient_accumulation_steps", "2", "--max_completion_length", "8", "--max_prompt_length", "24",
+                       "--gradient_accumulation_steps", "2", "--max_completion_length", "24", "--max_prompt_length", "24",
                        "--learning_rate", "3e-3", "--optim", "adamw", "--lmbda", str(lmbda), "--beta", str(beta),
                        "--temperature", str(temperature), "--output_dir", out, *extra], monkeypatch)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -141,8 +141,11 @@ def test_distill_main_on_the_embedded_world(pair, tmp_path, monkeypatch, lmbda, 
         sum(draws[2 * s:2 * s + 2]) / 2 for s in range(4)]
     assert (0 < sum(draws) < 8) if 0 < lmbda < 1 else sum(draws) == 8 * lmbda
     # prompts keep their last --max_prompt_length tokens, completions (sampled or the dataset's) at most --max_completion_length
-    assert all(b["prompt_ids"].shape[1] <= 24 and b["completion_ids"].shape[1] <= 8 for _, _, b in seen)
-    assert max(b["prompt_ids"].shape[1] for _, _, b in seen) == 24 and max(b["completion_ids"].shape[1] for _, _, b in seen) == 8
+    # (24 tokens: the dataset's completions are shorter and padded, the untrained student's samples reach it)
+    assert all(b["prompt_ids"].shape[1] <= 24 and b["completion_ids"].shape[1] <= 24 for _, _, b in seen)
+    assert max(b["prompt_ids"].shape[1] for _, _, b in seen) == 24
+    assert all(b["completion_ids"].shape[1] == 24 for _, _, b in seen if b["on_policy"])
+    assert any((b["attention_mask"] == 0).any() for _, _, b in seen if not b["on_policy"])  # padding the loss must skip
 
     # step 1's loss from the whole forwards of the initial student and the teacher
     args = common.ModelArgs(model=pair["student"], dtype="float32")
