@@ -272,6 +272,7 @@ TRL_NAMES = {
     "reward_model_path": ("reward_model", ""), "sft_model_path": ("model", ""),
     "precompute_ref_log_probs": ("precompute_ref_logps", ""), "response_length": ("max_completion_length", ""),
     "total_episodes": ("max_steps", "rollout batches, not episodes"), "vllm_mode": ("use_vllm", "colocate only: the engine runs in the training process"),
+    "teacher_model_name_or_path": ("teacher", ""), "max_new_tokens": ("max_completion_length", "GKDConfig's name"),
     # TRL flags with no flag here, and why
     "assistant_only_loss": ("", "sft.py always trains on the assistant turns of `messages` rows only (TRL's assistant_only_loss=True), with no flag"),
     "completion_only_loss": ("", "sft.py always trains on the completion of prompt/completion rows only (TRL's completion_only_loss=True), with no flag"),
@@ -282,6 +283,8 @@ TRL_NAMES = {
     "steps_per_generation": ("", "one rollout serves --num_iterations optimizer steps"),
     "use_liger_kernel": ("", "the log-probs are computed with a chunked head already (rlhf/sampling.py), no fused kernel is needed"),
     "model_init_kwargs": ("", "pass --dtype and --attn_implementation"),
+    "seq_kd": ("", "distill.py trains its off-policy micro-batches (1 - --lmbda of them) on the dataset's completions, never on teacher-sampled ones"),
+    "teacher_model_init_kwargs": ("", "the teacher loads as --model does, with --dtype and --attn_implementation, never with remote code"),
     "push_to_hub": ("", "the scripts save folders that load with from_pretrained; upload one with `huggingface-cli upload`"),
 }
 

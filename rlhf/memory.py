@@ -238,7 +238,7 @@ def vllm_engine_plan(args, config, numels, buffers, sequences, prompt_length, co
 
 def estimate_memory(args, *, train_sequences, prompt_length, completion_length, head="lm", reference=None,
                     critic_from=None, reward_models=None, reward_note="", generation_sequences=0,
-                    generation_length=None, offload=False, extra_layers=0, train_prompts=None):
+                    generation_length=None, offload=False, extra_layers=0, train_prompts=None, teacher=None):
     """The memory plan of a script that holds these things: a list of (component, bytes, note).
 
     What the script holds, from its own Args:
@@ -257,6 +257,10 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
       generation_sequences  sequences sampled at once, `generation_length` new tokens each;
       offload               frozen models wait on the CPU (--offload_frozen).
       extra_layers          decoder layers added on top of the model's (reward.py --expand_layers).
+      teacher               None: not part of this algorithm; else the folder or Hub id of a frozen
+                            causal LM read beside the policy on the same tokens (distill.py): its
+                            weights, and in the training micro-batch its hidden states and one chunk
+                            of its logits.
     With --use_vllm the engine samples instead (vllm_engine_plan): its row replaces the rollout.
 
     Static rows (weights, gradients, optimizer states, frozen models) are exact counts from the
@@ -320,6 +324,13 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
     if reward_models is not None:
         rows.append(("reward model", 0 if offload else reward_bytes,
                      ", ".join(notes) + where if notes else f"none: {reward_note}"))
+    t_config = None
+    if teacher is not None:
+        t_config = _config_or_policy(args, teacher, config)
+        t_numels, t_buffers = parameter_numels(t_config, "lm")
+        rows.append(("teacher model", (sum(t_numels) + t_buffers) * nb,
+                     f"{teacher}, frozen, {sum(t_numels) / 1e6:,.1f}M params x {nb} bytes ({dtype})"
+                     + ("" if os.path.exists(os.path.join(teacher, "config.json")) else " (not found: policy-shaped)")))
 
     if getattr(args, "use_vllm", False) and generation_sequences:  # the engine samples, within its own memory
         rows.append(vllm_engine_plan(args, config, numels, buffers, generation_sequences, P, gen_len))
@@ -336,6 +347,8 @@ def estimate_memory(args, *, train_sequences, prompt_length, completion_length, 
         c_width = None if flash else c_config.num_attention_heads * (
             getattr(c_config, "head_dim", None) or c_config.hidden_size // c_config.num_attention_heads)
         train += activation_plan(c_config, tokens, nb, ckpt, c_adapters, kv_tokens, c_width)
+    if t_config is not None:  # no gradient: its hidden states at every token and one chunk of its logits
+        train += tokens * t_config.hidden_size * nb + logits_plan(t_config, train_sequences * C)
     gen = generation_plan(config, generation_sequences, P, gen_len, nb) if generation_sequences else 0
     visit = max(weights, reward_bytes) if offload else 0  # a frozen model on the device for its pass
     bucket = 8 * sr_bucket_numel(numels) if dtype == torch.bfloat16 and not args.use_peft else 0  # LoRA: fp32

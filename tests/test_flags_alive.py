@@ -1,4 +1,4 @@
-"""Every flag is alive: each field of every script's Args (sft, reward, ppo, dpo, grpo, eval) and
+"""Every flag is alive: each field of every script's Args (sft, reward, ppo, dpo, grpo, kto, distill, eval) and
 each flag sweep.py reads is named here with the test in which its value changes something that
 test asserts (a metric, a saved value, a loss, a refusal), or sits in ALLOWLIST with the reason
 no such test exists. The checker fails on a field in neither (a new flag: name its test), on an
@@ -21,7 +21,7 @@ import re
 import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "kto", "eval"]
+SCRIPTS = ["sft", "reward", "ppo", "dpo", "grpo", "kto", "distill", "eval"]
 SHARED = [common.ModelArgs, common.TrainArgs, common.VllmArgs, common.SamplingArgs]
 
 FLAG_TESTS = {
@@ -130,6 +130,13 @@ FLAG_TESTS = {
     "kto.precompute_ref_logps": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
     "kto.max_completion_length": "test_kto.py::test_kto_end_to_end_precompute_on_and_off",
     "kto.max_prompt_length": "test_main_calls.py::test_kto_main_passes_its_weights_and_the_reference",
+    # ---------------------------------------------------------------- distill.py
+    "distill.teacher": "test_distill.py::test_bad_input_stops_with_a_clear_message",
+    "distill.lmbda": "test_distill.py::test_distill_main_on_the_embedded_world",
+    "distill.beta": "test_distill.py::test_distill_main_on_the_embedded_world",
+    "distill.temperature": "test_distill.py::test_distill_main_on_the_embedded_world",
+    "distill.max_completion_length": "test_distill.py::test_distill_main_on_the_embedded_world",
+    "distill.max_prompt_length": "test_distill.py::test_distill_main_on_the_embedded_world",
     # ---------------------------------------------------------------- grpo.py
     "grpo.advantage_estimator": "test_main_calls.py::test_grpo_main_advantage_estimator_reaches_the_loss",
     "grpo.beta": "test_grpo.py::test_grpo_any_model_with_user_reward_and_reward_model",  # --beta 0: no kl metric, no reference

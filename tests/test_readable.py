@@ -33,7 +33,7 @@ def shape(path):
             loop.end_lineno - loop.lineno + 1, named)
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py", "kto.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py", "kto.py", "distill.py"])
 def test_the_algorithm_reads_as_the_paper(script):
     doc, main, loop, named = shape(os.path.join(ROOT, script))
     print(f"{script}: docstring {doc} lines, main() {main}, training loop {loop}, loop lines naming vLLM/tools {len(named)}")
@@ -53,7 +53,7 @@ def test_the_checker_counts_what_it_claims(tmp_path):
     assert (doc, main, loop) == (3, 7, 4) and len(named) == 1 and "vLLM" in named[0]
 
 
-@pytest.mark.parametrize("path", ["sft.py", "reward.py", "ppo.py", "dpo.py", "grpo.py", "kto.py", "eval.py", "common.py", "sweep.py"]
+@pytest.mark.parametrize("path", ["sft.py", "reward.py", "ppo.py", "dpo.py", "grpo.py", "kto.py", "distill.py", "eval.py", "common.py", "sweep.py"]
                          + [f"worlds/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "worlds"))) if f.endswith(".py")]
                          + [f"rlhf/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "rlhf"))) if f.endswith(".py")]
                          + [f"rlhf/evaluation/{f}" for f in sorted(os.listdir(os.path.join(ROOT, "rlhf", "evaluation"))) if f.endswith(".py")])

@@ -595,3 +595,74 @@ def test_trls_accuracy_reward_by_its_dotted_name_in_grpo_and_eval(files, tmp_pat
                  " open(sys.argv[2], 'w'))",
                  {"texts": [g["responses"]["base"] for g in generations], "solutions": ["$42$", "$63$"]}, tmp_path)[0]
     assert [j["score_b"] for j in judged] == [float(a) if a is not None else 0.0 for a in answer]
+
+
+# ============================================================================ 6. distillation
+# Run in .venv-bench: the moved policy (student) and the real model (teacher) on grpo_batch's 8
+# sequences as GKDTrainer.compute_loss feeds them (ids and attention mask; logits shifted by one;
+# -100 off the completion mask), then TRL's GKDTrainer.generalized_jsd_loss on those logits for each
+# (beta, temperature); and DistillationTrainer's chunked loss on the same models' hidden states.
+TRL_GKD = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from trl.experimental.gkd import GKDTrainer
+from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+job = json.load(open(sys.argv[1]))
+b = torch.load(job["batch"])
+G = job["G"]
+prompt_ids, prompt_mask = b["prompt_ids"].repeat_interleave(G, 0), b["prompt_mask"].repeat_interleave(G, 0)
+input_ids = torch.cat([prompt_ids, b["completion_ids"]], 1)
+attention_mask = torch.cat([prompt_mask, b["completion_mask"]], 1)
+labels = input_ids.clone()
+labels[:, :prompt_ids.shape[1]] = -100
+labels[attention_mask == 0] = -100
+student, teacher = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (job["student"], job["teacher"]))
+answer = {"gkd": [], "distillation": []}
+with torch.no_grad():
+    s_logits = student(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    t_logits = teacher(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    C = b["completion_ids"].shape[1]
+    s_hidden = student.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, -C - 1:-1]
+    t_hidden = teacher.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, -C - 1:-1]
+    for beta, temperature in job["cases"]:
+        answer["gkd"].append(float(GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels=labels[:, 1:], beta=beta,
+                                                                   temperature=temperature)))
+        loss, _, _ = _chunked_divergence_loss(s_hidden, t_hidden, student.lm_head.weight, teacher.lm_head.weight,
+                                              b["completion_mask"], beta, temperature=temperature)
+        answer["distillation"].append(float(loss))
+json.dump(answer, open(sys.argv[2], "w"))
+"""
+DISTILL_CASES = [(0.0, 0.7), (0.5, 0.7), (1.0, 0.7), (0.3, 1.0)]
+
+
+@pytest.fixture(scope="module")
+def trl_gkd(policy, grpo_batch, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl_gkd")
+    return trl(TRL_GKD, {"student": policy, "teacher": MODEL, "batch": grpo_batch[1], "G": G, "cases": DISTILL_CASES}, tmp)
+
+
+@pytest.mark.parametrize("case", range(len(DISTILL_CASES)), ids=[f"beta{b}_t{t}" for b, t in DISTILL_CASES])
+def test_distill_loss_is_trls_generalized_jsd(case, policy, base, grpo_batch, trl_gkd):
+    """distill.py's loss (token_divergence: both models' hidden states, heads on the completion
+    tokens in checkpointed chunks, generalized_jsd; summed and divided by the completion tokens) of
+    the moved policy as student and the real model as teacher, on grpo_batch's 8 sequences (prompts
+    left-padded, completions right-padded, some without EOS), equals TRL 1.16's
+    GKDTrainer.generalized_jsd_loss on those models' logits, and DistillationTrainer's chunked loss,
+    for forward KL, the JSD, reverse KL at temperature 0.7, and beta 0.3 at temperature 1."""
+    import distill
+
+    beta, temperature = DISTILL_CASES[case]
+    batch, _ = grpo_batch
+    student = common.freeze(common.load_model(policy, common.ModelArgs(model=policy, dtype="float32")))
+    mb = {"prompt_ids": batch["prompt_ids"], "prompt_mask": batch["prompt_mask"], "completion_ids": batch["completion_ids"],
+          "attention_mask": batch["completion_mask"], "completion_mask": batch["completion_mask"]}
+    with torch.no_grad():
+        divergence, _ = distill.token_divergence(student, base, mb, beta, temperature, chunk_tokens=5)
+    ours = float(divergence.sum() / batch["completion_mask"].sum())
+    gkd, chunked = trl_gkd["gkd"][case], trl_gkd["distillation"][case]
+    print(f"distill beta {beta} temperature {temperature}: distill.py {ours:.8f}, GKDTrainer {gkd:.8f}, "
+          f"DistillationTrainer {chunked:.8f}")
+    assert ours > 1e-3  # the student is not its teacher
+    assert abs(ours - gkd) < 1e-5 and abs(ours - chunked) < 1e-5, (ours, gkd, chunked)

@@ -12,13 +12,16 @@ import subprocess
 import pytest
 from conftest import ROOT, trl_python
 
-CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "reward": "RewardConfig", "kto": "KTOConfig"}
+# script (a second config of the same script after a colon) -> TRL's config class, dotted below `trl`
+CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "sft": "SFTConfig", "reward": "RewardConfig", "kto": "KTOConfig",
+           "distill": "DistillationConfig", "distill:gkd": "experimental.gkd.GKDConfig"}
 DUMP = """
-import dataclasses, json, trl
+import dataclasses, importlib, json, trl
 out = {}
 for script, name in %r.items():
+    module, _, cls = ("trl." + name).rpartition(".")
     fields = {}
-    for f in dataclasses.fields(getattr(trl, name)):
+    for f in dataclasses.fields(getattr(importlib.import_module(module), cls)):
         v = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         fields[f.name] = v if isinstance(v, (int, float, str, bool, list, type(None))) else repr(v)
@@ -38,7 +41,7 @@ def differing(trl_defaults):
     """{script: [(flag, ours, TRL's)]} for the flags both have, whose defaults differ."""
     out = {}
     for script, fields in trl_defaults.items():
-        ours = {f.name: f.default for f in dataclasses.fields(importlib.import_module(script).Args)
+        ours = {f.name: f.default for f in dataclasses.fields(importlib.import_module(script.split(":")[0]).Args)
                 if f.default is not dataclasses.MISSING}
         out[script] = [(k, v, fields[k]) for k, v in ours.items() if k in fields and unset(v) != unset(fields[k])]
     return out
