@@ -288,7 +288,7 @@ vllm-env:
 # Step time, throughput and MFU of every script at fixed short settings (bench/regression.py): the
 # baseline of this machine, measured at HEAD, goes to bench/baselines/<machine>.json (commit it); the
 # check reruns the baseline's commit (a temporary git worktree) and this tree interleaved, and fails
-# when a step is more than 10% slower here. A few minutes on 2 cores each; not part of `make test`.
+# when a step is more than 10% slower here. On 2 cores: 3 min and 7 min; not part of `make test`.
 bench-baseline:
 	$(PYTHON) bench/regression.py --write
 bench-check:
