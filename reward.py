@@ -230,7 +230,7 @@ def main():
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = tracking.MetricsLogger(args, start_step)
+    logger = tracking.MetricsLogger(args, start_step, model)  # + each step's time, throughput and MFU
 
     # ---- loop
     pbar = tracking.progress(args, start_step, desc=script)

@@ -16,6 +16,7 @@ from rlhf import basics
 from rlhf import data
 from rlhf import lora
 from rlhf import parallel
+from rlhf import throughput
 
 
 _LOCK = None  # the open <output_dir>/.lock of this process, held until the run ends (finish_run) or exits
@@ -168,7 +169,9 @@ def release_output_dir():
 
 
 def finish_run(args, summary):
-    """The last act of a run: summary.json (which marks the folder finished), then the lock goes."""
+    """The last act of a run: summary.json (which marks the folder finished), with the run's step
+    time, throughput and MFU (throughput.run_summary), then the lock goes."""
+    summary = {**summary, **throughput.run_summary()}
     write_json(os.path.join(args.output_dir, "summary.json"), summary,
                "the final model is saved, but without summary.json the folder does not look finished: free some space "
                "and write it again by rerunning with --resume.")

@@ -16,10 +16,12 @@ rank, so N ranks sample what 1 rank would and a resumed run samples again what i
 """
 
 import dataclasses
+import time
 
 import torch
 
 from rlhf import sampling
+from rlhf import throughput
 from rlhf import tools as tool_calls
 from rlhf import vllm_rollouts
 
@@ -76,8 +78,9 @@ def start(model, tokenizer, args, max_new_tokens, tools=()):
 def sample(sampler, model, prompt_ids, prompt_mask, prompts, num_return_sequences, position):
     """`num_return_sequences` completions of each of the left-padded prompts (B, P) -> a Rollout of
     B*n rows. `prompts`: the dataset's prompts (the tool loop continues their conversations);
-    `position`: (step, micro-batch), which seeds the sample."""
-    s, n = sampler, num_return_sequences
+    `position`: (step, micro-batch), which seeds the sample. Its time and the tokens the policy
+    sampled are the step's rollout (rlhf/throughput.py)."""
+    s, n, start = sampler, num_return_sequences, time.perf_counter()
     knobs = sampling_kwargs(s.args, *position)
     if s.tools:
         # the model's turns and the tools' replies: the model reads all of them (attention_mask) and is
@@ -86,18 +89,21 @@ def sample(sampler, model, prompt_ids, prompt_mask, prompts, num_return_sequence
                                            s.args.max_tool_calling_iterations, s.max_new_tokens, s.args.temperature, n,
                                            **knobs)
         texts = [s.tokenizer.decode(ids[m.bool()]) for ids, m in zip(r.completion_ids, r.attention_mask)]
-        return Rollout(r.completion_ids, r.attention_mask, r.completion_mask, r.truncated, texts, r.messages,
-                       tool_calls=r.calls, tool_failures=r.failures)
-    sampling_logprobs = None
-    if s.engine is None:
-        ids, mask, truncated = sampling.generate(model, s.tokenizer, prompt_ids, prompt_mask, s.max_new_tokens,
-                                                 s.args.temperature, num_return_sequences=n, **knobs)
-    else:  # the same contract, plus the engine's log-probs of its samples (B*n, C)
-        ids, mask, truncated, sampling_logprobs = vllm_rollouts.generate(
-            sampler.engine, model, s.tokenizer, prompt_ids, prompt_mask, s.max_new_tokens, s.args.temperature,
-            num_return_sequences=n, **knobs)
-    texts = sampling.decode_completions(s.tokenizer, ids, mask, truncated)
-    return Rollout(ids, mask, mask, truncated, texts, sampling_logprobs=sampling_logprobs)
+        rollout = Rollout(r.completion_ids, r.attention_mask, r.completion_mask, r.truncated, texts, r.messages,
+                          tool_calls=r.calls, tool_failures=r.failures)
+    else:
+        sampling_logprobs = None
+        if s.engine is None:
+            ids, mask, truncated = sampling.generate(model, s.tokenizer, prompt_ids, prompt_mask, s.max_new_tokens,
+                                                     s.args.temperature, num_return_sequences=n, **knobs)
+        else:  # the same contract, plus the engine's log-probs of its samples (B*n, C)
+            ids, mask, truncated, sampling_logprobs = vllm_rollouts.generate(
+                sampler.engine, model, s.tokenizer, prompt_ids, prompt_mask, s.max_new_tokens, s.args.temperature,
+                num_return_sequences=n, **knobs)
+        texts = sampling.decode_completions(s.tokenizer, ids, mask, truncated)  # on the CPU: the sampling is done
+        rollout = Rollout(ids, mask, mask, truncated, texts, sampling_logprobs=sampling_logprobs)
+    throughput.add_rollout(time.perf_counter() - start, rollout.completion_mask.sum())
+    return rollout
 
 
 def concat(parts, pad_token_id):

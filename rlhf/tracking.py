@@ -14,6 +14,7 @@ from rlhf import basics
 from rlhf import checkpoints
 from rlhf import data
 from rlhf import parallel
+from rlhf import throughput
 
 
 class MetricsLogger:
@@ -24,9 +25,12 @@ class MetricsLogger:
     every --logging_steps, `log(step, metrics)` writes the window's mean (key by key, as TRL
     logs) plus `metrics` (values of that moment, e.g. the learning rate) and `num_tokens`, the
     tokens (prompt + completion) trained on since the start of the run, cumulative as in TRL.
+    Each step also gets its time, throughput and MFU (rlhf/throughput.py), counted on the
+    `trained` models (the policy first; a critic after it), whose trained forwards are watched.
     """
 
-    def __init__(self, args, start_step=0):
+    def __init__(self, args, start_step=0, trained=None):
+        throughput.watch(trained)
         os.makedirs(args.output_dir, exist_ok=True)
         self.path = os.path.join(args.output_dir, "metrics.jsonl")
         self.tracker = None
@@ -64,7 +68,8 @@ class MetricsLogger:
     def update(self, metrics, num_tokens=0):
         """One step's metrics into the logging window; `num_tokens` this rank trained on in it.
         After the run's first step: how long the rest will take at its pace."""
-        self.window.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or torch.is_tensor(v)})
+        row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or torch.is_tensor(v)}
+        self.window.append({**row, **throughput.step_metrics()})  # after the floats: the step's work is done
         self.num_tokens += int(num_tokens)
         self.steps += 1
         if self.steps == self.first_step and _RUN["start"] is not None and parallel.is_main():
@@ -102,7 +107,9 @@ class MetricsLogger:
         with checkpoints.writing(self.path, checkpoints.kept(os.path.dirname(self.path))), open(self.path, "a") as f:
             f.write(json.dumps(basics.finite_json({"step": step, **metrics}), allow_nan=False) + "\n")  # NaN / inf as null
         if pbar is not None:
-            pbar.set_postfix({k: f"{v:.3g}" for k, v in list(metrics.items())[:4] if isinstance(v, float)}, refresh=False)
+            shown = [k for k, v in metrics.items() if isinstance(v, float)][:4] + ["tokens_per_second", "mfu"]
+            pbar.set_postfix({k.replace("tokens_per_second", "tok/s"): f"{metrics[k]:.3g}" for k in shown if k in metrics},
+                             refresh=False)
         if self.tracker is not None and hasattr(self.tracker, "add_scalar"):
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
@@ -184,10 +191,17 @@ _RUN = {"bar": None, "start": None}  # the training loop's progress bar and when
 
 
 def progress(args, start=0, desc=None):
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc=desc,
+    """The training loop's steps, shown as a progress bar; each step's clock starts as it is handed out."""
+    bar = tqdm(_timed(range(start, args.max_steps)), initial=start, total=args.max_steps, desc=desc,
                dynamic_ncols=True, disable=os.environ.get("TQDM_DISABLE") == "1" or not parallel.is_main())
     _RUN.update(bar=bar, start=time.time())
     return bar
+
+
+def _timed(steps):
+    for step in steps:
+        throughput.start_step()
+        yield step
 
 
 def within(items, what):

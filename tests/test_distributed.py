@@ -13,6 +13,8 @@ import test_tools
 from conftest import ROOT
 from safetensors.torch import load_file
 
+from rlhf import throughput
+
 
 def _launch(argv, nproc=1, env=None):
     runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -353,7 +355,7 @@ def test_ppo_under_torchrun_with_fsdp2_resumes_exactly(tmp_path, tiny_qwen):
     out = _finish(_launch(argv + ["--output_dir", resumed, "--resume_from_checkpoint", f"{full}/checkpoint-1"], nproc=2))
     assert "at step 1" in out
     # num_tokens is cumulative over the metrics.jsonl of the run's own folder: another folder starts it again
-    drop = ("step_time", "num_tokens")
+    drop = (*throughput.TIMED, "num_tokens")
     assert [{k: v for k, v in r.items() if k not in drop} for r in _metrics(resumed)] == \
            [{k: v for k, v in r.items() if k not in drop} for r in rows[1:]]  # vf_loss: the critic too
     wa, wb = load_file(os.path.join(full, "model.safetensors")), load_file(os.path.join(resumed, "model.safetensors"))

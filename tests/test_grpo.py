@@ -216,6 +216,12 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     # step 2 reuses step 1's rollout with the updated policy: same rewards, the ratio has moved
     assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["kl"] > 0
     summary = json.load(open(os.path.join(out, "summary.json")))
+    # throughput: the sampler's on the steps that sample (1 and 3), the update's on every step
+    assert [("rollout_tokens_per_second" in r, r["rollout_time"] < r["step_time"] if "rollout_time" in r else None)
+            for r in rows] == [(True, True), (False, None), (True, True), (False, None)]
+    assert all(r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert 0 < summary["rollout_time"] < summary["step_time"] and summary["rollout_tokens_per_second"] > 0
+    assert 0 < summary["mfu"] < 1 and summary["peak_flops"] > 0 and summary["flops_per_step"] > 0
     assert -1 <= summary["gold_score"] <= 1
     # cut prompts counted up front, sampled completions without EOS as they come (two rollouts of 2 x 4)
     assert summary["prompts_truncated"] > 0

@@ -24,6 +24,11 @@ def test_sft_from_scratch_on_the_embedded_world(tmp_path):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert -1 <= summary["gold_score"] <= 1 and summary["reference_gold"] == 1.0
     assert 0.5 < summary["label_ceiling"] < 1 and summary["demo_gold"] < 1
+    # throughput (rlhf/throughput.py): every step's, and the run's after its first step
+    assert all(r["step_time"] > 0 and r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert 0 < summary["step_time"] <= summary["seconds_per_step"] and "rollout_tokens_per_second" not in summary
+    assert summary["tokens_per_second"] * summary["step_time"] == pytest.approx((rows[-1]["num_tokens"] - rows[0]["num_tokens"]) / 5)
+    assert summary["mfu"] == pytest.approx(summary["flops_per_step"] / summary["step_time"] / summary["peak_flops"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common

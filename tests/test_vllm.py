@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the C
 from rlhf import data  # noqa: E402
 import grpo  # noqa: E402
 from rlhf import sampling  # noqa: E402
+from rlhf import throughput  # noqa: E402
 from rlhf import vllm_rollouts  # noqa: E402
 from conftest import chat_tokenizer, run_main, save_tiny  # noqa: E402
 
@@ -301,7 +302,7 @@ def test_two_gloo_ranks_with_fsdp2_match_the_trainer_and_resume_exactly(tiny_qwe
     out = _finish(_launch(argv + ["--output_dir", resumed, "--resume_from_checkpoint", f"{full}/checkpoint-1"],
                           nproc=2, env=env))
     assert "at step 1" in out
-    drop = ("step_time", "num_tokens", "vllm/sync_seconds")
+    drop = (*throughput.TIMED, "num_tokens", "vllm/sync_seconds")
     assert [{k: v for k, v in r.items() if k not in drop} for r in _metrics(resumed)] == \
            [{k: v for k, v in r.items() if k not in drop} for r in _metrics(full)[1:]]
     wa, wb = load_file(f"{full}/model.safetensors"), load_file(f"{resumed}/model.safetensors")
