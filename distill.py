@@ -282,7 +282,7 @@ def main():
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args)
     start_step = checkpoints.maybe_resume(args, model, optimizer, scheduler)  # --resume: 0 if not resuming
-    logger = tracking.MetricsLogger(args, start_step)
+    logger = tracking.MetricsLogger(args, start_step, model)  # + each step's time, throughput and MFU
     sampler = rollouts.start(model, tokenizer, args, args.max_completion_length)
 
     # ---- loop

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMES = ("seconds", "_per_second", "time", "eta")  # wall-clock metrics: differ from run to run
+TIMES = ("seconds", "_per_second", "time", "eta", "mfu")  # wall-clock metrics: differ from run to run
 
 
 def runs(out):

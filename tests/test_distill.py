@@ -160,6 +160,7 @@ def test_distill_main_on_the_embedded_world(pair, tmp_path, monkeypatch, lmbda, 
     summary = json.load(open(os.path.join(out, "summary.json")))
     for key in ("gold_score", "init_gold_score", "teacher_gold_score", "final_loss", "completions_truncated"):
         assert key in summary, key
+    assert summary["tokens_per_second"] > 0 and 0 < summary["mfu"] < 1  # the student's update only (rlhf/throughput.py)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "qwen2"
 
