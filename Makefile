@@ -237,7 +237,8 @@ test-tasks: tasks-env
 # transformers, peft and TRL's trainers, and one SFT, DPO and GRPO step has TRL's loss. Needs make real-model
 # and .venv-bench (docs/benchmarks.md); about 5 minutes, so not part of `make test`.
 test-trl: real-model
-	@[ -x .venv-bench/bin/python ] || { $(PYTHON) -m venv --system-site-packages .venv-bench && .venv-bench/bin/pip install -q -r bench/requirements.txt; }
+	@[ -x .venv-bench/bin/python ] || $(PYTHON) -m venv --system-site-packages .venv-bench
+	@.venv-bench/bin/pip install -q -r bench/requirements.txt  # an older .venv-bench gets what was added since
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 -p no:cacheprovider tests/test_real_model_trl.py
 
 # The suite proves itself: one-line mistakes in equations, masks, references, stop rules, the
