@@ -217,7 +217,7 @@ demo-code: install
 
 # two pytest workers, one thread each: most tests are subprocess runs that keep one core busy
 test: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 tests --ignore=tests/test_real_model_trl.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist worksteal tests --ignore=tests/test_real_model_trl.py
 
 # The README's "Train your own model" block, run as written on the real model, each command timed
 # (bench/readme_commands.py; a few minutes each on 2 cores, so not part of `make test`).

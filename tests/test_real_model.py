@@ -202,10 +202,9 @@ LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river ban
 def test_the_grpo_memory_plan_is_within_20_percent_of_the_peak(setting, tmp_path):
     """--estimate_memory against the peak RSS of the same grpo.py run (fp32, CPU; two steps, so the
     optimizer's states, allocated by the first step, sit beside the second step's activations), with 40-token chat
-    prompts and with ~400-token ones. The plan sizes the micro-batch by the data's longest prompt, each
-    prompt once before its completions (sampling.completion_states), and keys/values as HF's SDPA keeps
-    them; from --max_prompt_length it planned 13.0 GB against a 3.16 GiB peak (short) and 7.39 GB
-    against 4.35 GiB (long); now 3.66 and 4.44 GB (fp32 plans also count the process: memory.print_plan)."""
+    prompts (4 a micro-batch) and with ~400-token ones (1). The plan sizes the micro-batch by the data's longest
+    prompt, each prompt once before its completions (sampling.completion_states), and keys/values as HF's
+    SDPA keeps them (fp32 plans also count the process: memory.print_plan)."""
     from conftest import run_script
 
     questions = QUESTIONS[:4] if setting == "short" else [f"{LONG} {q}" for q in QUESTIONS[:4]]
@@ -215,7 +214,7 @@ def test_the_grpo_memory_plan_is_within_20_percent_of_the_peak(setting, tmp_path
     with open(tmp_path / "rewards.py", "w") as f:
         f.write("def brevity(completions, **kw):\n    return [-len(str(c)) / 100 for c in completions]\n")
     flags = ["--model", MODEL, "--dataset", str(prompts), "--reward_fn", f"{tmp_path}/rewards.py:brevity", "--beta", "0.04",
-             "--batch_size", "4" if setting == "short" else "2", "--num_generations", "4", "--max_completion_length", "32",
+             "--batch_size", "4" if setting == "short" else "1", "--num_generations", "4", "--max_completion_length", "12",
              "--gradient_accumulation_steps", "1", "--max_steps", "2", "--dtype", "float32", "--output_dir", str(tmp_path / "grpo")]
     # the plan in a process of its own, as the run: an fp32 plan on a CPU counts the planning process's
     # resident size, which in a test worker holds every earlier test's models
