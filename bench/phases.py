@@ -65,12 +65,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile_decode", action="store_true",
+                        help="Only decode 8 rows x 16 tokens under torch's profiler and print its top operators.")
     cli = parser.parse_args()
     torch.manual_seed(0)
     args = argparse.Namespace(dtype="float32", trust_remote_code=False, attn_implementation="sdpa", use_peft=False,
                               load_in_4bit=False, load_in_8bit=False, gradient_checkpointing=False)
     tokenizer = models.load_tokenizer(cli.model)
     model = models.load_model(cli.model, args).train()
+    if cli.profile_decode:
+        return profile_decode(model, tokenizer)
     ref = freeze(models.load_model(cli.model, args))
     shape = throughput.model_shape(ref)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -155,6 +159,19 @@ def main():
         bound = "arithmetic" if t_flops >= t_bytes else "memory"
         print(f"| {algo} | {name} | {seconds * 1e3:.0f} | {flops / 1e9:.2f} | {moved / 1e6:.0f} | {t_flops * 1e3:.0f} | "
               f"{t_bytes * 1e3:.0f} | {bound} | {max(t_flops, t_bytes) / seconds:.2f} |")
+
+
+def profile_decode(model, tokenizer):
+    """Where decoding's CPU time goes, operator by operator (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = world.build_world(0, {"sft": 0, "prefs": 0, "rl": 0, "contrast": 0})["test"]["prompt"][0]
+    ids = tokenizer([prompt], return_tensors="pt")
+    with torch.no_grad():
+        sampling.generate(model, tokenizer, ids["input_ids"], ids["attention_mask"], 4, num_return_sequences=8, seed=0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sampling.generate(model, tokenizer, ids["input_ids"], ids["attention_mask"], 16, num_return_sequences=8, seed=0)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
