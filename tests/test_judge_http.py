@@ -198,3 +198,30 @@ def test_a_proxy_with_a_login_gets_it(monkeypatch):
         assert logins == ["Basic " + base64.b64encode(b"ann:p@ss").decode()]
     finally:
         stop()
+
+
+def test_a_proxy_login_reaches_the_connect_tunnel(monkeypatch):
+    """https through a proxy: the CONNECT request carries the proxy's login (and the key never
+    reaches the proxy); a refused tunnel is an OSError, as a broken connection is."""
+    seen = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_CONNECT(self):
+            seen.append((self.path, self.headers.get("Proxy-Authorization"), self.headers.get("Authorization")))
+            self.send_response(407)
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("https_proxy", f"http://ann:p%40ss@127.0.0.1:{server.server_address[1]}")
+    for name in ("no_proxy", "NO_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        with pytest.raises(OSError, match="407"):
+            judges.post_json("https://judge.example/v1/chat/completions", b"{}", {"Authorization": "Bearer sekret"}, 5)
+        assert seen == [("judge.example:443", "Basic " + base64.b64encode(b"ann:p@ss").decode(), None)]
+    finally:
+        server.shutdown()
