@@ -394,3 +394,27 @@ def test_grpo_dynamic_sampling_on_two_ranks(tmp_path, tiny_qwen):
                      "--batch_size", "2", "--max_completion_length", "6", "--optim", "adamw", "--output_dir", out], nproc=2))
     rows = _metrics(out)
     assert len(rows) == 2 and all("dynamic_sampling/resamples" in r for r in rows), rows
+
+
+def test_distill_two_ranks_match_one_rank_with_twice_the_batch(tmp_path):
+    """distill.py on a tiny Llama with a smaller Llama teacher (one tokenizer): 2 gloo ranks x 4
+    prompts train as 1 rank x 8, on-policy and dataset micro-batches mixed (--lmbda 0.5): the
+    draws, the samples and the token normaliser span the ranks."""
+    from conftest import chat_tokenizer, save_tiny
+
+    shape = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    student = save_tiny(tmp_path / "student", "Llama", chat_tokenizer(), hidden_size=64, intermediate_size=128, **shape)
+    teacher = save_tiny(tmp_path / "teacher", "Llama", chat_tokenizer(), hidden_size=32, intermediate_size=64, **shape)
+    data = tmp_path / "sft.jsonl"
+    with open(data, "w") as f:
+        for i in range(32):
+            f.write(json.dumps({"prompt": f"POST: bob sold the car {i % 5} . TL;DR:", "completion": " bob sold car ." + " now" * (i % 3)}) + "\n")
+    argv = ["distill.py", "--model", student, "--teacher", teacher, "--dataset", str(data), "--max_steps", "4",
+            "--learning_rate", "1e-3", "--optim", "adamw", "--lmbda", "0.5", "--beta", "0.5", "--max_completion_length", "8"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    runs = [_launch(argv + ["--batch_size", "8", "--output_dir", one]),
+            _launch(argv + ["--batch_size", "4", "--output_dir", two], nproc=2)]
+    for run in runs:
+        _finish(run)
+    assert {r["on_policy"] for r in _metrics(one)} == {0.0, 1.0}  # both kinds of micro-batch ran
+    _assert_same_training(one, two, keys=("loss", "num_tokens"))
