@@ -31,7 +31,9 @@ from rlhf import checkpoints
 from rlhf import data
 from rlhf import parallel
 from rlhf import real_model
+from rlhf import rollouts
 from rlhf import sampling
+from rlhf import tracking
 from worlds import world
 from rlhf.basics import (  # noqa: F401 -- the ground floor, re-exported: the scripts write common.fail, common.device, ...
     ARITH, ARITH_TOOLS, CHAT_TEMPLATE_KWARGS, CODE, EMBEDDED, IFEVAL, SR_BUCKET_NUMEL, arith_split, brief, check_hub_id,
@@ -456,6 +458,25 @@ def gold_eval(model, tokenizer, args, max_new_tokens=48, n=None):
     scores = [world.gold_score(p, t) for p, t in zip(test["post"], texts)]
     return {"gold_score": sum(scores) / len(scores), "test_truncated_frac": sum(truncated) / len(truncated),
             "test_mean_words": sum(len(t.split()) for t in texts) / len(texts), "samples": texts[:5]}
+
+
+def end_run(model, tokenizer, args, summary, sampler=None, before=""):
+    """The end of a run whose loss starts positive and falls (dpo.py, kto.py, distill.py): on the
+    embedded world the test gold score, into `summary` and printed beside `before` (a format string
+    of summary's keys, e.g. "before: {init_gold_score:.3f}"); whether the loss blew up
+    (tracking.divergence); summary.json, then the output folder's lock goes; the sampler stopped
+    last (vLLM's shutdown destroys the default process group, after which every rank would take
+    itself for rank 0: two summary.json writers); where the run was saved."""
+    script = script_name()
+    if args.dataset == EMBEDDED:
+        ev = gold_eval(model, tokenizer, args)
+        summary.update(ev)
+        print(f"{script}: test gold score {ev['gold_score']:.3f} ({before.format(**summary)}); e.g. {ev['samples'][0]!r}")
+    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
+    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
+    if sampler is not None:
+        rollouts.stop(sampler)
+    print(f"{script}: {checkpoints.saved_where(args)}")
 
 
 # ============================================================================ guards

@@ -329,7 +329,7 @@ def main():
     checkpoints.save_final(model, tokenizer, args)
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum"))
     summary = {**init, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **truncated}
-    finish(model, tokenizer, args, summary, sampler)
+    common.end_run(model, tokenizer, args, summary, sampler, "before: {init_gold_score:.3f}, the teacher: {teacher_gold_score:.3f}")
 
 
 def log_completions(args, step, batch):
@@ -337,21 +337,6 @@ def log_completions(args, step, batch):
     divergence to the teacher, and whether the student sampled it."""
     tracking.log_completions(args, step, batch["prompts"], batch["texts"], {
         "divergence": batch["row_divergence"], "on_policy": [float(batch["on_policy"])] * len(batch["texts"])})
-
-
-def finish(model, tokenizer, args, summary, sampler):
-    """The end of a run: the embedded world's test gold score, whether the loss blew up, and
-    summary.json (then the output folder's lock goes); the sampler stopped last."""
-    script = common.script_name()
-    if args.dataset == common.EMBEDDED:
-        ev = common.gold_eval(model, tokenizer, args)
-        summary.update(ev)
-        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {summary['init_gold_score']:.3f}, the "
-              f"teacher: {summary['teacher_gold_score']:.3f}); e.g. {ev['samples'][0]!r}")
-    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
-    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    rollouts.stop(sampler)  # last: vLLM's shutdown ends the process group
-    print(f"{script}: {checkpoints.saved_where(args)}")
 
 
 if __name__ == "__main__":

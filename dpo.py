@@ -479,7 +479,9 @@ def main():
     truncated["completions_truncated"] = round(parallel.all_reduce(float(truncated["completions_truncated"]), "sum")) \
         if args.online else truncated["completions_truncated"]  # sampled on every rank
     summary = {**init, **held, "peak_memory_bytes": memory.peak_memory_bytes(), **final, **eval_metrics, **truncated}
-    finish(model, tokenizer, args, summary, sampler)
+    if args.online and summary["completions_truncated"]:
+        print(f"{script}: {summary['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
+    common.end_run(model, tokenizer, args, summary, sampler, "before: {init_gold_score:.3f}")
 
 
 def models_held(model, ref_model, judge_model):
@@ -492,25 +494,6 @@ def models_held(model, ref_model, judge_model):
     print(f"{common.script_name()}: training holds {held['models_alive']} model(s), {held['model_bytes'] / 2**20:.1f} MiB "
           "of weights" + (f" (+ {held['judge_bytes'] / 2**20:.1f} MiB reward model)" if judge_model is not None else ""))
     return held
-
-
-def finish(model, tokenizer, args, summary, sampler):
-    """The end of a run: the truncation count, the embedded world's test gold score, whether the
-    loss blew up, summary.json (then the output folder's lock goes), and the sampler stopped last."""
-    script = common.script_name()
-    if args.online and summary["completions_truncated"]:
-        print(f"{script}: {summary['completions_truncated']} sampled completions reached --max_new_tokens without EOS")
-    if args.dataset == common.EMBEDDED:
-        ev = common.gold_eval(model, tokenizer, args)
-        summary.update(ev)
-        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {summary['init_gold_score']:.3f}); "
-              f"e.g. {ev['samples'][0]!r}")
-    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
-    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    # last: vLLM's shutdown destroys the default process group (vllm_rollouts.shutdown), after which
-    # every rank would take itself for rank 0 (two summary.json writers) and collectives stop
-    rollouts.stop(sampler)
-    print(f"{script}: {checkpoints.saved_where(args)}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ Departures from the paper and from TRL:
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from rlhf import checkpoints
 import common
@@ -305,21 +304,7 @@ def main():
     checkpoints.save_final(model, tokenizer, args)
     summary = {**init, "models_alive": 1 + (ref_model is not None and ref_model is not model),
                "peak_memory_bytes": memory.peak_memory_bytes(), **final, **truncated}
-    finish(model, tokenizer, args, summary)
-
-
-def finish(model, tokenizer, args, summary):
-    """The end of a run: the embedded world's test gold score, whether the loss blew up, and
-    summary.json (then the output folder's lock goes)."""
-    script = common.script_name()
-    if args.dataset == common.EMBEDDED:
-        ev = common.gold_eval(model, tokenizer, args)
-        summary.update(ev)
-        print(f"{script}: test gold score {ev['gold_score']:.3f} (before: {summary['init_gold_score']:.3f}); "
-              f"e.g. {ev['samples'][0]!r}")
-    summary.update(tracking.divergence(args.output_dir))  # a loss that blew up: said, and not a success
-    checkpoints.finish_run(args, summary)  # summary.json, then the lock goes
-    print(f"{script}: {checkpoints.saved_where(args)}")
+    common.end_run(model, tokenizer, args, summary, before="before: {init_gold_score:.3f}")
 
 
 if __name__ == "__main__":
