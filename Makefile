@@ -116,7 +116,7 @@ real-grpo:
 real-eval-base:
 	$(call real_stage,eval_base,eval.py base=$(REAL_MODEL) base_again=$(REAL_MODEL) $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_base)
 real-pairs: real-eval-base
-	$(call real_stage,pairs,studies/ifeval_pairs.py --seed $(SEED) --model $(REAL_MODEL) $(REAL_PAIRS) --output $(REAL)/pairs.jsonl)
+	$(call real_stage,pairs,studies/ifeval_pairs.py --seed $(SEED) --model $(REAL_MODEL) $(REAL_PAIRS) --output $(REAL)/pairs.jsonl --kto_output $(REAL)/kto.jsonl)
 real-dpo: real-pairs
 	$(call real_stage,dpo,dpo.py --seed $(SEED) --model $(REAL_MODEL) --dataset $(REAL)/pairs.jsonl $(REAL_DPO) --output_dir $(REAL)/dpo --overwrite_output_dir)
 real-eval-grpo: real-grpo real-eval-base
@@ -151,6 +151,40 @@ real-eval-online: real-online
 	$(call real_stage,eval_online,eval.py base=$(REAL_MODEL) dpo_online=$(REAL)/dpo_online $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_online)
 real-eval-ppo: real-ppo
 	$(call real_stage,eval_ppo,eval.py base=$(REAL_MODEL) ppo=$(REAL)/ppo $(REAL_EVAL) --cache_dir $(REAL)/cache --output_dir $(REAL)/eval_ppo)
+
+# On-policy distillation and KTO on the real model (docs/results.md), after demo-real (seed 0: its GRPO
+# policy is every seed's teacher, its cache holds the base's test answers): distill.py trains the base model (the student) to
+# match the GRPO policy on its own samples (reverse KL, 32 steps of 16 prompts); kto.py trains the base
+# on seed S's verifier-labelled samples unpaired (the DPO pairs' samples: thumbs up for a pass, down for
+# a fail), the desirable rows weighted so that lambda_D n_D / (lambda_U n_U) is about 1 (the KTO paper's
+# advice). Each gets eval.py against the base (answers cached in runs/real/cache for every seed), then
+# real-distill-kto-eval pools the seeds beside seed 0's GRPO and DPO.
+REAL_TEACHER ?= runs/real/grpo
+REAL_DISTILL ?= --teacher $(REAL_TEACHER) --batch_size 16 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 32 --save_steps 32 --warmup_steps 0
+REAL_KTO ?= --learning_rate 2e-5 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 48 --num_train_epochs 1 --warmup_steps 5 --desirable_weight 3.0
+.PHONY: real-distill-kto real-distill real-kto real-kto-data real-kto-samples real-eval-distill real-eval-kto real-distill-kto-eval
+real-distill-kto: install real-model
+	@[ -f runs/real/eval/results.json ] && [ -f $(REAL_TEACHER)/config.json ] || { echo "real-distill-kto: run make demo-real first (the teacher, $(REAL_TEACHER), and the base's cached answers)"; exit 1; }
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j2 real-eval-distill real-eval-kto SEED=$(SEED) REAL=$(REAL) REAL_MODEL=$(REAL_MODEL) && \
+	  echo "real-distill-kto: $$(( $$(date +%s) - start )) s in all (load $$(cut -d' ' -f1-3 /proc/loadavg))" | tee -a $(REAL)/times.txt
+real-distill:
+	$(call real_stage,distill,distill.py --seed $(SEED) --model $(REAL_MODEL) --dataset embedded:ifeval $(REAL_DISTILL) --output_dir $(REAL)/distill --overwrite_output_dir)
+real-kto-data:  # demo-real writes kto.jsonl beside pairs.jsonl; a folder from before that gets it here
+	@[ -f $(REAL)/kto.jsonl ] || $(MAKE) --no-print-directory real-kto-samples SEED=$(SEED) REAL=$(REAL) REAL_MODEL=$(REAL_MODEL)
+real-kto-samples:
+	$(call real_stage,kto_data,studies/ifeval_pairs.py --seed $(SEED) --model $(REAL_MODEL) $(REAL_PAIRS) --output $(REAL)/kto_pairs.jsonl --kto_output $(REAL)/kto.jsonl)
+real-kto: real-kto-data
+	$(call real_stage,kto,kto.py --seed $(SEED) --model $(REAL_MODEL) --dataset $(REAL)/kto.jsonl $(REAL_KTO) --output_dir $(REAL)/kto --overwrite_output_dir)
+real-eval-distill: real-distill
+	$(call real_stage,eval_distill,eval.py base=$(REAL_MODEL) distill=$(REAL)/distill $(REAL_EVAL) --cache_dir runs/real/cache --output_dir $(REAL)/eval_distill)
+real-eval-kto: real-kto
+	$(call real_stage,eval_kto,eval.py base=$(REAL_MODEL) kto=$(REAL)/kto $(REAL_EVAL) --cache_dir runs/real/cache --output_dir $(REAL)/eval_kto)
+real-distill-kto-eval:
+	@rm -rf runs/real_distill
+	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) grpo=$(REAL_TEACHER) dpo=runs/real/dpo \
+	  $(foreach m,distill kto,$(m)=$(subst $(space),$(comma),$(foreach s,$(REAL_SEEDS),$(call real_dir,$(s))/$(m)))) \
+	  $(REAL_EVAL) --cache_dir runs/real/cache --output_dir runs/real_distill/eval
+	@$(PYTHON) studies/ifeval_report.py runs/real_distill/eval
 
 # The seeds table (docs/results.md): demo-real and real-more for training seeds 0, 1 and 2 (runs/real,
 # runs/real_seed1, runs/real_seed2: GRPO's, online DPO's and PPO's prompts and sampling, the DPO pairs'

@@ -158,6 +158,13 @@ def has_completions(ds):
     return "completion" in ds.column_names or "messages" in ds.column_names
 
 
+def prompt_split(spec):
+    """The world split the student's prompts come from: sft (prompts with completions, for the
+    off-policy micro-batches), or rl for the worlds and tasks that have no completions
+    (embedded:ifeval, reasoning_gym:TASK): a fully on-policy run needs only prompts."""
+    return "rl" if spec == common.IFEVAL or data.is_task(spec) else "sft"
+
+
 def distill_rows(ds, spec, lmbda):
     """(prompt, completion) rows from TRL's SFT formats (prompt + completion, messages), or
     (prompt, None) from prompt-only rows, which serve only a fully on-policy run (lmbda 1)."""
@@ -251,7 +258,7 @@ def main():
     embedded = args.dataset == common.EMBEDDED
 
     # ---- data: prompts, and completions for the off-policy micro-batches (TRL's SFT formats)
-    rows = distill_rows(data.training_data(args, "sft"), args.dataset, args.lmbda)
+    rows = distill_rows(data.training_data(args, prompt_split(args.dataset)), args.dataset, args.lmbda)
     data.set_max_steps(args, len(rows), args.batch_size * args.gradient_accumulation_steps * parallel.world_size())
 
     # ---- models: the student (LoRA adapters on a frozen base with --use_peft) and the frozen teacher

@@ -14,6 +14,9 @@ trains on them with that model as its reference.
 Run (make demo-real):
     python studies/ifeval_pairs.py --model models/SmolLM2-135M-Instruct --output runs/real/pairs.jsonl
     python dpo.py --model models/SmolLM2-135M-Instruct --dataset runs/real/pairs.jsonl ...
+
+With --kto_output the same labelled samples are also written unpaired, one row a distinct sample
+with the verifier's thumbs up or down (KTO's data: make real-kto).
 """
 
 import argparse
@@ -47,10 +50,36 @@ def preference_pairs(rows, texts, scores, truncated, n, per_prompt=1):
     return pairs
 
 
+def unpaired_rows(rows, texts, scores, truncated, n):
+    """KTO's rows from the same labelled samples: each distinct sample of a prompt once, desirable
+    (label true) when it passes and was not truncated, undesirable when it fails; a passing but
+    truncated sample is left out, as from the pairs. TRL's conversational unpaired format."""
+    out = []
+    for i, r in enumerate(rows):
+        seen = set()
+        for t, s, tr in zip(texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n], truncated[i * n:(i + 1) * n]):
+            if t in seen or (s == 1.0 and tr):
+                continue
+            seen.add(t)
+            out.append({"prompt": r["prompt"], "completion": [{"role": "assistant", "content": t}],
+                        "label": s == 1.0, "family": r["family"]})
+    return out
+
+
+def write_jsonl(path, rows):
+    """rows to `path` through a temporary file, so a stopped run leaves no half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="The policy whose samples make the pairs (a folder).")
     p.add_argument("--output", required=True, help="The JSONL file of pairs to write.")
+    p.add_argument("--kto_output", default="", help="Also write KTO's unpaired rows (prompt, completion, label) of the same samples to this JSONL file.")
     p.add_argument("--num_prompts", type=int, default=256, help="Prompts of the rl split to sample on (its first ones).")
     p.add_argument("--num_samples", type=int, default=4, help="Completions sampled per prompt.")
     p.add_argument("--pairs_per_prompt", type=int, default=1, help="At most this many (pass, fail) pairs of one prompt's samples.")
@@ -92,10 +121,11 @@ def main():
         "model": args.model, "prompts": len(ds), "num_samples": n, "pairs": len(pairs),
         "pass_rate": sum(scores) / len(scores), "truncated": sum(truncated) / len(truncated),
         "seconds": round(time.time() - start, 1)})
-    with open(args.output + ".tmp", "w") as f:
-        for pair in pairs:
-            f.write(json.dumps(pair) + "\n")
-    os.replace(args.output + ".tmp", args.output)
+    write_jsonl(args.output, pairs)
+    if args.kto_output:
+        kto = unpaired_rows(list(ds), texts, scores, truncated, n)
+        write_jsonl(args.kto_output, kto)
+        print(f"ifeval_pairs: {len(kto)} unpaired rows ({sum(r['label'] for r in kto)} desirable) -> {args.kto_output}")
     print(f"ifeval_pairs: {len(pairs)} pairs from {len(ds)} prompts x {n} samples (pass rate "
           f"{sum(scores) / len(scores):.3f}, truncated {sum(truncated) / len(truncated):.3f}) -> {args.output} "
           f"({time.time() - start:.0f} s)")

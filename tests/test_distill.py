@@ -179,6 +179,21 @@ def test_bad_input_stops_with_a_clear_message(pair, tmp_path, monkeypatch, capsy
     assert "--beta 1.5" in message and "[0, 1]" in message
 
 
+def test_a_world_without_completions_gives_its_rl_prompts():
+    """--dataset embedded:ifeval (prompts and verifiers, no completions): the student samples on its rl
+    split's prompts, every one; the summarization world keeps its sft split (prompts with completions
+    for --lmbda < 1); --lmbda < 1 on prompts alone is refused."""
+    from rlhf import data
+    from worlds import world_ifeval
+
+    assert distill.prompt_split("embedded") == "sft" and distill.prompt_split("embedded:ifeval") == "rl"
+    ds = data.named_data("embedded:ifeval", "train", distill.prompt_split("embedded:ifeval"), 0)
+    rows = distill.distill_rows(ds, "embedded:ifeval", 1.0)
+    assert len(rows) == world_ifeval.RL_SIZE and rows[0] == (ds[0]["prompt"], None)
+    with pytest.raises(SystemExit):
+        distill.distill_rows(ds, "embedded:ifeval", 0.5)
+
+
 def test_the_memory_plan_holds_the_teacher(pair, tmp_path, monkeypatch, capsys):
     """--estimate_memory: a row for the frozen teacher, its weights counted from its config."""
     from transformers import AutoModelForCausalLM

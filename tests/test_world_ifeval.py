@@ -226,6 +226,20 @@ def test_dpo_pairs_from_own_samples():
     assert len(pairs) == 5 and (pairs[-1]["chosen"][0]["content"], pairs[-1]["rejected"][0]["content"]) == ("b0", "b3")
 
 
+def test_kto_rows_from_the_same_samples():
+    """studies/ifeval_pairs.py --kto_output: each distinct sample of a prompt once, thumbs up for a pass
+    that was not truncated, down for a fail; a truncated pass is left out, as from the pairs."""
+    module = study("ifeval_pairs")
+    rows = [{"prompt": conv(f"p{i}"), "family": "lowercase"} for i in range(2)]
+    texts = ["a0", "a1", "a0", "a3", "b0", "b1", "b2", "b0"]
+    scores = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    truncated = [False, True, False, False, False, False, False, False]
+    kto = module.unpaired_rows(rows, texts, scores, truncated, 4)
+    assert [(r["prompt"][0]["content"], r["completion"][0]["content"], r["label"]) for r in kto] == [
+        ("p0", "a0", True), ("p0", "a3", False), ("p1", "b0", False), ("p1", "b1", False), ("p1", "b2", True)]
+    assert kto[0]["completion"][0]["role"] == "assistant" and kto[0]["family"] == "lowercase"
+
+
 def test_report_pools_a_methods_seeds():
     """studies/ifeval_report.py: a method over several training seeds shows each seed's accuracy and
     the answers' shares pooled over its runs (not its first run's alone)."""
