@@ -1,6 +1,8 @@
 """The instruction-following world (embedded:ifeval): each family's verifier on answers that meet
 and miss it, answers that try to game the verifiers, the strict verifier, the splits."""
 
+import json
+
 import pytest
 
 from rlhf import reward_contract
@@ -238,6 +240,27 @@ def test_kto_rows_from_the_same_samples():
     assert [(r["prompt"][0]["content"], r["completion"][0]["content"], r["label"]) for r in kto] == [
         ("p0", "a0", True), ("p0", "a3", False), ("p1", "b0", False), ("p1", "b1", False), ("p1", "b2", True)]
     assert kto[0]["completion"][0]["role"] == "assistant" and kto[0]["family"] == "lowercase"
+
+
+def test_wording_report_compares_each_task_with_its_twin(tmp_path):
+    """studies/ifeval_wording.py: each test task with an IFEval-worded twin is paired with that twin
+    (the same task, IFEval's wording), and a policy's accuracy and its gain over the base are read on
+    those tasks only, in each wording, from eval.py's judgments."""
+    module = study("ifeval_wording")
+    test = wi.build_world(0)["test"]
+    pairs = module.twin_pairs()
+    assert len(pairs) == len(test) - wi.TEST_SIZE > 100
+    for o, t in pairs:
+        assert test[t]["prompt"] == wi.ifeval_twin(test[o])["prompt"] and test[t]["family"].startswith(wi.IFEVAL)
+    twins = {t for _, t in pairs}
+    with open(tmp_path / "judgments.jsonl", "w") as f:  # grpo passes every original, no twin; the base nothing
+        for i in range(len(test)):
+            f.write(json.dumps({"prompt_id": i, "policy_a": "grpo", "policy_b": "base", "score_a": float(i not in twins),
+                                "score_b": 0.0}) + "\n")
+    scores = module.scores_by_policy(str(tmp_path))
+    rows = module.table(["base", "grpo"], scores, pairs).splitlines()
+    assert rows[2].startswith("| base | 0.000 (0.000, 0.000) | 0.000 (0.000, 0.000) | - | -")
+    assert rows[3] == "| grpo | 1.000 (1.000, 1.000) | 0.000 (0.000, 0.000) | 1.000 (1.000, 1.000) | 0.000 (0.000, 0.000) |"
 
 
 def test_report_pools_a_methods_seeds():
