@@ -76,10 +76,17 @@ def start_engine(model, tokenizer, args, max_model_len):
     # prompt + completion, within the model's context (vLLM refuses a longer max_model_len)
     max_model_len = min(max_model_len, getattr(inner.config, "max_position_embeddings", None) or max_model_len)
     dtype = args.vllm_dtype or str(next(inner.parameters()).dtype).removeprefix("torch.")
+    from vllm.platforms import current_platform
+
+    # vLLM's CPU build: a prompt prefilled in chunks has its first sampled token discarded, and
+    # rewinding a seeded request's CPU generator for it raises ("CPU Generator does not use offset"),
+    # so on a CPU every prompt is prefilled whole (long prompts: HumanEval's with 10 samples each)
+    whole_prefills = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192)) \
+        if current_platform.is_cpu() else {}
     with tempfile.TemporaryDirectory() as folder:
         inner.config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        llm = LLM(model=folder, load_format="dummy", dtype=dtype, seed=args.seed, max_model_len=max_model_len,
+        llm = LLM(model=folder, load_format="dummy", dtype=dtype, seed=args.seed, max_model_len=max_model_len, **whole_prefills,
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                   generation_config="vllm",  # every sampling knob comes from the run, none from the model folder
                   enforce_eager=True,  # no CUDA graphs: the weights change in place every step

@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from worlds import world_ifeval  # noqa: E402
 
 
-def twin_pairs(test_size=world_ifeval.TEST_SIZE):
-    """(original prompt id, twin prompt id) for every test task that has an IFEval-worded twin: the
-    twins follow the originals, in the originals' order (world_ifeval.build_world)."""
-    test = world_ifeval.build_world(0)["test"]
+def twin_pairs(test, test_size=world_ifeval.TEST_SIZE):
+    """(original prompt id, twin prompt id) for every task of the test split `test` that has an
+    IFEval-worded twin: the twins follow the originals, in the originals' order (world_ifeval.build_world)."""
     pairs, twin_id = [], test_size
     for i in range(test_size):
         if world_ifeval.ifeval_twin(test[i]) is not None:
@@ -76,7 +75,7 @@ def main():
     results = json.load(open(os.path.join(args.eval_dir, "results.json")))
     policies = list(results["policies"])
     scores = scores_by_policy(args.eval_dir)
-    pairs = twin_pairs()
+    pairs = twin_pairs(world_ifeval.build_world(0)["test"])
     missing = [p for p in policies if any(t not in scores[p] for _, t in pairs)]
     if missing:
         raise SystemExit(f"error: {args.eval_dir} has no judgment of {missing[0]} on the IFEval-worded prompts: run eval.py "

@@ -247,8 +247,8 @@ def test_wording_report_compares_each_task_with_its_twin(tmp_path):
     (the same task, IFEval's wording), and a policy's accuracy and its gain over the base are read on
     those tasks only, in each wording, from eval.py's judgments."""
     module = study("ifeval_wording")
-    test = wi.build_world(0)["test"]
-    pairs = module.twin_pairs()
+    test = wi.build_world(0, sizes={"rl": 10})["test"]
+    pairs = module.twin_pairs(test)
     assert len(pairs) == len(test) - wi.TEST_SIZE > 100
     for o, t in pairs:
         assert test[t]["prompt"] == wi.ifeval_twin(test[o])["prompt"] and test[t]["family"].startswith(wi.IFEVAL)
