@@ -13,7 +13,9 @@ stored numbers are the record of what the machine did then.
 
 Every run: a tiny Llama (hidden 128, 2 layers, the embedded world's tokenizer, built once in
 --workdir), the embedded world's rows written to .jsonl files, one thread, fp32, torch AdamW,
---max_steps 6, no checkpoints, no evaluation; GRPO, PPO and online DPO score with the gold judge.
+--max_steps 6, no checkpoints, no evaluation; GRPO, PPO and online DPO score with the gold judge;
+distill.py's teacher is the same tiny Llama (the divergence is then 0 at the first step, its cost
+the same as any teacher of that shape).
 
     python bench/regression.py --write      # the baseline of this machine at HEAD (a clean tree)
     python bench/regression.py              # the check: exit 1 if a step is > 10% slower than there
@@ -47,6 +49,7 @@ RUNS = {
     "grpo": ("grpo.py", "rl", ["--reward_fn", "gold", "--batch_size", "2", "--num_generations", "8",
                                "--max_completion_length", "16"]),
     "ppo": ("ppo.py", "rl", ["--reward_fn", "gold", "--batch_size", "4", "--max_completion_length", "16"]),
+    "distill": ("distill.py", "sft", ["--teacher", "{model}", "--batch_size", "4", "--max_completion_length", "16"]),
 }
 COLUMNS = {"sft": ["prompt", "completion"], "prefs": ["prompt", "chosen", "rejected"], "rl": ["prompt", "post"]}
 ROWS = 256
@@ -92,7 +95,7 @@ def run(tree, name, workdir, model_dir, log):
     out = os.path.join(workdir, "out")
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, os.path.join(tree, script), "--model", model_dir, "--dataset",
-           os.path.join(workdir, f"{split}.jsonl"), "--output_dir", out, *COMMON, *flags]
+           os.path.join(workdir, f"{split}.jsonl"), "--output_dir", out, *COMMON, *(f.format(model=model_dir) for f in flags)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -143,6 +146,10 @@ def check(cli, path, model_dir):
         print(f"{'run':>10} {'A best ms':>10} {'B best ms':>10} {'B / A':>6}  {'B tok/s':>9} {'B mfu':>7}  "
               "stored A median ms")
         for i, name in enumerate(cli.names):
+            if name not in baseline["results"]:
+                print(f"{name:>10}: not in the baseline of {baseline['commit'][:10]}: make a new one (make bench-baseline)")
+                failed.append(f"{name} (no baseline)")
+                continue
             sides = {"A": [], "B": []}
             order = ("ABBA" * cli.runs)[:2 * cli.runs]  # A B B A A B ...: a drift in load cancels
             for side in order[::-1] if i % 2 else order:  # and B first every other run
