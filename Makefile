@@ -161,7 +161,7 @@ real-eval-ppo: real-ppo
 # real-distill-kto-eval pools the seeds beside seed 0's GRPO and DPO.
 REAL_TEACHER ?= runs/real/grpo
 REAL_DISTILL ?= --teacher $(REAL_TEACHER) --batch_size 16 --gradient_accumulation_steps 1 --max_completion_length 32 --temperature 0.7 --learning_rate 2e-5 --max_steps 32 --save_steps 32 --warmup_steps 0
-REAL_KTO ?= --learning_rate 2e-5 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 48 --num_train_epochs 1 --warmup_steps 5 --desirable_weight 3.0
+REAL_KTO ?= --learning_rate 2e-5 --batch_size 8 --gradient_accumulation_steps 1 --max_completion_length 48 --num_train_epochs 1 --warmup_steps 5 --desirable_weight 4.0
 .PHONY: real-ifeval-wording real-distill-kto real-distill real-kto real-kto-data real-kto-samples real-eval-distill real-eval-kto real-distill-kto-eval
 real-distill-kto: install real-model
 	@[ -f runs/real/eval/results.json ] && [ -f $(REAL_TEACHER)/config.json ] || { echo "real-distill-kto: run make demo-real first (the teacher, $(REAL_TEACHER), and the base's cached answers)"; exit 1; }
