@@ -196,6 +196,22 @@ real-ifeval-wording: install
 	  --cache_dir runs/real/cache --output_dir runs/real/eval_wording
 	@$(PYTHON) studies/ifeval_wording.py runs/real/eval_wording
 
+# GRPO on a Reasoning Gym task with the task's own checker (docs/results.md, "The field's tasks"):
+# SmolLM2-135M-Instruct on chain_sum (two one-digit terms, each prompt opening with one worked turn in
+# the <answer> format), 40 steps of 4 prompts x 8 completions at temperature 1, the task's score_answer as
+# the reward; then eval.py against the base on the task's 200 test problems (greedy, full marks only).
+RG_TASK ?= reasoning_gym:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1
+RG_GRPO ?= --num_generations 8 --batch_size 4 --gradient_accumulation_steps 1 --max_completion_length 12 --temperature 1.0 --learning_rate 2e-5 --max_steps 40 --save_steps 40
+RG_DIR = runs/rg/seed$(SEED)
+.PHONY: real-rg
+real-rg: install real-model tasks-env
+	@mkdir -p $(RG_DIR)
+	OMP_NUM_THREADS=1 /usr/bin/time -f "grpo: %e s wall, %U+%S s CPU" -a -o $(RG_DIR)/times.txt $(PYTHON) grpo.py --seed $(SEED) --model $(REAL_MODEL) \
+	  --dataset "$(RG_TASK)" --reward_fn reasoning_gym $(RG_GRPO) --output_dir $(RG_DIR)/grpo --overwrite_output_dir
+	OMP_NUM_THREADS=1 /usr/bin/time -f "eval: %e s wall, %U+%S s CPU" -a -o $(RG_DIR)/times.txt $(PYTHON) eval.py base=$(REAL_MODEL) \
+	  grpo=$(RG_DIR)/grpo --dataset "$(RG_TASK)" --reward_fn reasoning_gym_strict --max_completion_length 12 \
+	  --cache_dir runs/rg/cache --output_dir $(RG_DIR)/eval
+
 # The seeds table (docs/results.md): demo-real and real-more for training seeds 0, 1 and 2 (runs/real,
 # runs/real_seed1, runs/real_seed2: GRPO's, online DPO's and PPO's prompts and sampling, the DPO pairs'
 # prompts and samples; the 300 test prompts stay the same); a seed's finished stages are kept. Then eval.py
