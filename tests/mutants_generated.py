@@ -123,8 +123,12 @@ def run_file(name, mutmut, timeout):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
         start = time.time()
         try:
-            subprocess.run([*mutmut, "run", "--max-children", "1"], cwd=copy, env=env, timeout=timeout,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run = subprocess.run([*mutmut, "run", "--max-children", "1"], cwd=copy, env=env, timeout=timeout,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if run.returncode and "__mutmut_" not in subprocess.run([*mutmut, "results", "--all", "true"], cwd=copy,
+                                                                     env=env, capture_output=True, text=True).stdout:
+                sys.exit(f"{name}: `{' '.join(mutmut)} run` exited {run.returncode} and wrote no mutant (is mutmut "
+                         f"installed? `make mutants-generated` installs it):\n{run.stderr[-2000:]}")
         except subprocess.TimeoutExpired:
             print(f"{name}: stopped after {timeout} s (--timeout); the results so far:")
         seconds = time.time() - start
