@@ -75,6 +75,8 @@ TESTS = {
                       T + "test_boundaries.py::test_several_calls_in_one_turn_each_reach_their_own_row",
                       T + "test_boundaries.py::test_what_parsing_and_the_sandbox_answer_at_their_edges"],
     "rlhf/checkpoints.py": [T + "test_boundaries.py::test_checkpoints_are_ordered_by_step_not_by_name",
+                            T + "test_boundaries.py::test_an_unreadable_checkpoint_offers_only_older_ones_in_order",
+                            T + "test_boundaries.py::test_abandoning_a_checkpoint_twice_keeps_the_newest_abandoned_one",
                             T + "test_trl_knobs.py::test_small_knobs",
                             T + "test_run_folder.py::test_resuming_an_older_checkpoint_abandons_the_newer_ones",
                             T + "test_resume.py::test_training_state_round_trips_optimizer_scheduler_and_rng"],

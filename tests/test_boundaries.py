@@ -40,6 +40,51 @@ def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path):
     assert checkpoints.last_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-900"
 
 
+def test_an_unreadable_checkpoint_offers_only_older_ones_in_order(tmp_path):
+    """The sentence an unreadable checkpoint's error ends with: the newest checkpoint older than it to
+    resume from, then the rest oldest first; never itself or a newer one (checkpoint-1100 beside
+    checkpoint-1000), and the one sentence for none left."""
+    t = tmp_path
+    fake_checkpoints(t, [100, 900, 1000, 1100])
+    assert checkpoints._earlier_checkpoints(f"{t}/checkpoint-1000") == (
+        f" Resume from the previous one with --resume_from_checkpoint {t}/checkpoint-900 (earlier: {t}/checkpoint-100).")
+    assert checkpoints._earlier_checkpoints(f"{t}/checkpoint-1100/") == (
+        f" Resume from the previous one with --resume_from_checkpoint {t}/checkpoint-1000 "
+        f"(earlier: {t}/checkpoint-100, {t}/checkpoint-900).")
+    assert checkpoints._earlier_checkpoints(f"{t}/checkpoint-900") == (
+        f" Resume from the previous one with --resume_from_checkpoint {t}/checkpoint-100.")
+    assert checkpoints._earlier_checkpoints(f"{t}/checkpoint-100") == (
+        " No earlier checkpoint is left; start again without --resume (with --overwrite_output_dir).")
+    assert checkpoints.checkpoints(str(t / "missing")) == [] and checkpoints.last_checkpoint(str(t / "missing")) is None
+
+
+def test_abandoning_a_checkpoint_twice_keeps_the_newest_abandoned_one(tmp_path, monkeypatch, capsys):
+    """Resuming from checkpoint-900 twice, each time with a checkpoint-1000 ahead of it: the first
+    checkpoint-1000.abandoned gives way to the second (the abandoned run of the moment), each rename
+    is said, and a rename the filesystem refuses stops with the path and what was kept."""
+    import pytest
+
+    t = tmp_path
+    fake_checkpoints(t, [900, 1000])
+    checkpoints.abandon_newer_checkpoints(str(t), 900)
+    assert capsys.readouterr().out == (f"resume: {t}/checkpoint-1000 belongs to the abandoned run: renamed "
+                                       "checkpoint-1000.abandoned (kept; --resume ignores it).\n")
+    fake_checkpoints(t, [1000])
+    (t / "checkpoint-1000" / "second").write_text("the second run")
+    checkpoints.abandon_newer_checkpoints(str(t), 900)
+    assert sorted(os.listdir(t)) == ["checkpoint-1000.abandoned", "checkpoint-900"]
+    assert (t / "checkpoint-1000.abandoned" / "second").read_text() == "the second run"
+    fake_checkpoints(t, [1000])
+
+    def refuse(src, dst):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(checkpoints.os, "replace", refuse)
+    with pytest.raises(SystemExit) as stop:
+        checkpoints.abandon_newer_checkpoints(str(t), 900)
+    assert str(stop.value) == f"error: cannot write {t}/checkpoint-1000 (Read-only file system); nothing else was changed."
+
+
 def test_resume_after_pruning_across_a_digit_boundary(tmp_path, tiny_qwen, sft_data, monkeypatch, capsys):
     """sft.py saves every 3 steps to step 12 with --save_total_limit 2: checkpoint-9 and
     checkpoint-12 stay (as text, "checkpoint-9" sorts last). --resume then continues from step
