@@ -78,7 +78,8 @@ Departures and choices:
 - generations are cached in --cache_dir (default <output_dir>/cache), keyed by the policy (path
   and a SHA-256 of its weight files' content), the rendered prompts and the generation settings,
   so a re-run with another judge does not generate again, nor one on fewer of the same prompts
-  (--num_prompts 10 after 30 reuses those 10 responses; --num_samples 4 after 8 takes each
+  (--num_prompts 10 after 30 reuses those 10 responses; on more, only the new prompts are
+  generated: --num_prompts 0 after 300 of 523; --num_samples 4 after 8 takes each
   prompt's first 4 samples); a cache file that cannot be read is named, moved aside to
   FILE.unreadable and generated again (policies.py: the methods, their runs' names, and the cache).
 

@@ -465,6 +465,26 @@ def test_fewer_samples_per_prompt_from_the_cache_are_distinct_samples(tmp_path):
     assert policies.cached_generations(path, ["p"] * 9, args) is None  # more samples than cached: generated again
 
 
+def test_a_larger_prompt_set_generates_only_what_the_cache_lacks(tmp_path, tiny_qwen, capsys):
+    """eval on 3 prompts after a run on 2 of them (--num_prompts 0 after 300): the 2 come from the
+    cache, only the third is generated, and it is what generating it alone gives; the new file then
+    answers all 3. --num_samples 3 after 2 samples of a prompt: the 2 cached, a third generated."""
+    prompts = [f"POST: alice bought the bike {i} . TL;DR:" for i in range(3)]
+    args = ev.Args(model="", dataset="embedded", cache_dir=str(tmp_path / "cache"), max_completion_length=6)
+    first = policies.generate_responses(tiny_qwen, "pi", prompts[:2], args)
+    alone = policies.generate_responses(tiny_qwen, "pi", prompts[2:], ev.Args(
+        model="", dataset="embedded", cache_dir=str(tmp_path / "alone"), max_completion_length=6))
+    capsys.readouterr()
+    both = policies.generate_responses(tiny_qwen, "pi", prompts, args)
+    assert "2 of 3 responses from the cache" in capsys.readouterr().out
+    assert [list(column) for column in both] == [a + b for a, b in zip(first, alone)]
+    file, rows = policies.cached_rows(tiny_qwen, prompts, args)
+    assert all(r is not None for r in rows) and policies.cached_generations(tiny_qwen, prompts, args)[1] == both[0]
+    path, args = cached_policy(tmp_path, ["p", "p", "q"], ["p0", "p1", "q0"])
+    file, rows = policies.cached_rows(path, ["q", "p", "p", "p"], args)
+    assert [r and r[0] for r in rows] == ["q0", "p0", "p1", None] and policies.cached_generations(path, ["p"] * 3, args) is None
+
+
 @pytest.mark.parametrize("damage", [b'{"prompts": ["p"], "respon', b"\xff\xfe", b'["not", "a", "cache"]',
                                     b'{"prompts": ["p"], "responses": [], "truncated": [false], "completion_ids": [[1]]}'])
 def test_an_unreadable_cache_file_is_named_set_aside_and_generated_again(tmp_path, capsys, damage):

@@ -168,17 +168,21 @@ def _read_cache(file):
         return None
 
 
-def cached_generations(path, prompts, args):
-    """(file, responses, truncated, completion_ids) from the cache, or None: the file of exactly these
-    prompts, else any file of this policy and these settings that holds every prompt asked for at
-    least as many times as asked (--num_prompts 10 after a run on 30 reuses the first 10; with
-    --do_sample, the samples drawn then, which another number of prompts would have drawn
-    differently: every one is still a sample of this policy at these settings). A prompt asked k
-    times (--num_samples k) gets the first k of its cached samples, never one sample k times."""
+COLUMNS = ("responses", "truncated", "completion_ids")  # a cache file's per-prompt lists
+
+
+def cached_rows(path, prompts, args):
+    """(file, rows) from the cache: rows[i] the cached row answering prompts[i], or None where no
+    cached row does. The file of exactly these prompts answers all; otherwise the file of this
+    policy and these settings that answers most of them (--num_prompts 10 after a run on 30 reuses
+    the first 10; a run on 523 after one on 300 generates only the other 223; with --do_sample, the
+    samples drawn then, which another number of prompts would have drawn differently: every one is
+    still a sample of this policy at these settings). A prompt asked k times (--num_samples k) takes
+    the first k of its cached samples, never one sample k times. (None, [None, ...]) without a file."""
     exact = cache_file(path, prompts, args)
     key = json.loads(json.dumps(policy_key(path, args)))  # as a file stores it (tuples become lists)
     candidates = [exact] + sorted(glob.glob(os.path.join(glob.escape(args.cache_dir), f"{readable_name(path)}-*.json")))
-    wanted = collections.Counter(prompts)
+    best = (None, [None] * len(prompts))
     for file in candidates:
         if not os.path.isfile(file):
             continue
@@ -186,19 +190,29 @@ def cached_generations(path, prompts, args):
         if out is None or "completion_ids" not in out:  # a cache from before completion_ids were kept is generated again
             continue
         if file == exact:
-            return file, out["responses"], out["truncated"], out["completion_ids"]
-        rows = collections.defaultdict(list)  # a prompt's rows in the cached set, in order
-        for i, p in enumerate(out["prompts"]):
-            rows[p].append(i)
-        if out.get("key") != key or any(len(rows[p]) < k for p, k in wanted.items()):
+            return file, [tuple(out[k][i] for k in COLUMNS) for i in range(len(prompts))]
+        if out.get("key") != key:
             continue
+        cached = collections.defaultdict(list)  # a prompt's rows in the cached set, in order
+        for i, p in enumerate(out["prompts"]):
+            cached[p].append(i)
         taken = collections.Counter()  # the j-th ask of a prompt takes its j-th cached row
-        order = []
+        rows = []
         for p in prompts:
-            order.append(rows[p][taken[p]])
+            j = cached[p][taken[p]] if taken[p] < len(cached[p]) else None
             taken[p] += 1
-        return file, *([out[k][i] for i in order] for k in ("responses", "truncated", "completion_ids"))
-    return None
+            rows.append(None if j is None else tuple(out[k][j] for k in COLUMNS))
+        if sum(r is not None for r in rows) > sum(r is not None for r in best[1]):
+            best = (file, rows)
+    return best
+
+
+def cached_generations(path, prompts, args):
+    """(file, responses, truncated, completion_ids) when the cache answers every prompt (cached_rows), else None."""
+    file, rows = cached_rows(path, prompts, args)
+    if file is None or any(r is None for r in rows):
+        return None
+    return file, *(list(column) for column in zip(*rows))
 
 
 def generate_responses(path, name, raw_prompts, args):
@@ -207,10 +221,28 @@ def generate_responses(path, name, raw_prompts, args):
     tokenizer = models.load_tokenizer(path, args.trust_remote_code)
     prompts = [data.render_prompt(tokenizer, p) for p in raw_prompts]
     data.check_readable(tokenizer, prompts, path, args.dataset)
-    found = cached_generations(path, prompts, args)
-    if found:
-        print(f"eval: {name}: {len(prompts)} responses from the cache {found[0]}")
-        return found[1:]
+    file, rows = cached_rows(path, prompts, args)
+    todo = [i for i, r in enumerate(rows) if r is None]
+    if not todo:
+        print(f"eval: {name}: {len(prompts)} responses from the cache {file}")
+        return tuple(list(column) for column in zip(*rows))
+    if file is not None:
+        print(f"eval: {name}: {len(prompts) - len(todo)} of {len(prompts)} responses from the cache {file}; "
+              f"generating the other {len(todo)}")
+    new = generate_new(path, name, tokenizer, [prompts[i] for i in todo], args)
+    for i, row in zip(todo, zip(*new)):
+        rows[i] = row
+    responses, truncated, completion_ids = (list(column) for column in zip(*rows))
+    cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
+    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "key": policy_key(path, args),
+                                    "prompts": prompts, "responses": responses, "truncated": truncated,
+                                    "completion_ids": completion_ids})
+    print(f"eval: {name}: generated {len(todo)} responses (all {len(prompts)} cached in {cached})")
+    return responses, truncated, completion_ids
+
+
+def generate_new(path, name, tokenizer, prompts, args):
+    """The policy's responses to the rendered `prompts`, from its weights: (responses, truncated, completion_ids)."""
     model = basics.freeze(models.load_model(path, args))
     basics.set_seed(args.seed)  # every policy samples from the same seed
     settings = dict(do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -224,9 +256,4 @@ def generate_responses(path, name, raw_prompts, args):
         responses, truncated, completion_ids = sampling.sample_texts(model, tokenizer, prompts, args.max_completion_length,
                                                                      args.eval_batch_size, desc=f"eval: {name}", **settings)
     del model
-    cached = cache_file(path, prompts, args)  # a Hub model's snapshot is known now that it is loaded
-    checkpoints.write_json(cached, {"policy": path, "settings": generation_settings(args), "key": policy_key(path, args),
-                                    "prompts": prompts, "responses": responses, "truncated": truncated,
-                                    "completion_ids": completion_ids})
-    print(f"eval: {name}: generated {len(prompts)} responses (cached in {cached})")
     return responses, truncated, completion_ids
