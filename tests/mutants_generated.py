@@ -1,6 +1,6 @@
 """Generated mutants: mutmut (https://github.com/boxed/mutmut, 3.x) writes every one-line mutant
 its operators know in the equation functions of the algorithm files (losses, advantages, GAE, KL,
-clipping, eval's statistics) and in some plumbing (tool-call parsing, checkpoint order; TARGETS
+clipping, eval's statistics) and in some plumbing (tool-call parsing, checkpoint order, the reward contract; TARGETS
 below) and runs, for each, the tests that cover that file
 (TESTS below; the fast ones: unit tests against the equations and the main() spies of
 test_main_calls.py). Unlike tests/mutants.py, no one chose these mutants: the score measures the
@@ -40,6 +40,8 @@ TARGETS = {
     "rlhf/tools.py": ["parse_tool_calls", "read_call", "execute"],
     "rlhf/checkpoints.py": ["delete_old_checkpoints", "checkpoints", "last_checkpoint", "_earlier_checkpoints",
                             "abandon_newer_checkpoints"],
+    "rlhf/reward_contract.py": ["is_module_spec", "call_reward_fns", "weighted_rewards", "load_reward_fns", "check_reward_names",
+                                "check_reward_data", "load_eval_reward_fns", "parse_reward_weights"],
 }
 T = "tests/"
 TESTS = {
@@ -80,6 +82,14 @@ TESTS = {
                             T + "test_trl_knobs.py::test_small_knobs",
                             T + "test_run_folder.py::test_resuming_an_older_checkpoint_abandons_the_newer_ones",
                             T + "test_resume.py::test_training_state_round_trips_optimizer_scheduler_and_rng"],
+    "rlhf/reward_contract.py": [T + "test_reward_contract.py", T + "test_rows.py",
+                                T + "test_guards.py::test_nan_reward_from_a_reward_function_names_the_prompt",
+                                T + "test_guards.py::test_reward_functions_return_any_real_number_and_may_not_exit",
+                                T + "test_common.py::test_reward_fn_from_file_gets_extra_columns",
+                                T + "test_field_tasks.py::test_a_module_function_loads_by_its_dotted_name_in_every_script",
+                                T + "test_field_tasks.py::test_a_dotted_name_that_does_not_import_says_so",
+                                T + "test_never_lose_a_run.py::test_a_wrong_reward_stops_with_one_sentence",
+                                T + "test_never_lose_a_run.py::test_an_eval_dataset_the_rewards_cannot_score_stops_before_step_1"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
 
