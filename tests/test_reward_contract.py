@@ -509,3 +509,142 @@ def test_a_reward_function_returning_the_wrong_count_is_refused():
     with pytest.raises(SystemExit) as e:
         common.call_reward_fns([lambda completions, **kw: [1.0]], ["p", "q"], ["a", "b"])
     assert "returned 1 values for 2 completions" in str(e.value)
+
+
+# ------------------------------------------------------------------ the sentences and edges a user meets
+LONG_P, LONG_C = "P" * 299 + "Q" + "p" * 50, "C" * 299 + "D" + "c" * 50  # cut at 300 characters: Q and D kept, the rest not
+RULE = ("rewards must be finite real numbers within float32's range (|r| <= 3.4e+38), or None where the function "
+        "does not apply.")
+LIST = ("it must return a list with one reward per completion (a float, or None where it does not apply), in the "
+        "order of `completions`")
+
+
+def test_every_refusal_of_a_reward_function_says_its_whole_sentence():
+    """Each message of call_reward_fns whole: the function, the row, the prompt and completion cut at 300
+    characters, what to do (a substring check would pass a message with the wrong row or a cut one)."""
+    def nan_on_long(completions, **kw):
+        return [float("nan") if c == LONG_C else 1.0 for c in completions]
+
+    assert _stops(common.call_reward_fns, [nan_on_long], ["ok", LONG_P], ["x", LONG_C]) == (
+        f"error: reward function nan_on_long returned nan for prompt 1: {LONG_P[:300]!r}; {RULE}")
+
+    def divides(completions, **kw):
+        return [1 / (c != LONG_C) for c in completions]
+
+    assert _stops(common.call_reward_fns, [divides], ["ok", LONG_P], ["x", LONG_C]) == (
+        f"error: reward function divides raised ZeroDivisionError: division by zero\n  on prompt 1: {LONG_P[:300]!r}\n"
+        f"  completion: {LONG_C[:300]!r}")
+
+    def batch_only(completions, **kw):  # each row alone works
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        return [1.0]
+
+    assert _stops(common.call_reward_fns, [batch_only], [LONG_P, "q"], ["a", "b"]) == (
+        f"error: reward function batch_only raised RuntimeError: batch on a batch of 2 completions (each alone works); "
+        f"first prompt: {LONG_P[:300]!r}")
+
+    async def raises_on_bad(completions, **kw):  # async: awaited row by row to find the culprit
+        if "bad" in completions:
+            raise KeyError("k")
+        return [1.0] * len(completions)
+
+    assert _stops(common.call_reward_fns, [raises_on_bad], ["p0", "p1"], ["good", "bad"]) == (
+        "error: reward function raises_on_bad raised KeyError: 'k'\n  on prompt 1: 'p1'\n  completion: 'bad'")
+
+    async def agen(completions, **kw):
+        yield 1.0
+
+    assert _stops(common.call_reward_fns, [agen], ["p"], ["a"]) == (
+        f"error: reward function agen returned a async_generator; {LIST} (an async function returns that list; it does not yield).")
+    assert _stops(common.call_reward_fns, [lambda completions, **kw: {"a": 1.0}], ["p"], ["a"]) == (
+        f"error: reward function <lambda> returned a dict; {LIST}.")
+    assert _stops(common.call_reward_fns, [lambda completions, **kw: 1.0], ["p"], ["a"]) == (
+        f"error: reward function <lambda> returned a float; {LIST}.")
+    assert _stops(common.call_reward_fns, [lambda completions, **kw: None], ["p"], ["a"]) == (
+        "error: reward function <lambda> returned 0 values for 1 completions.")
+    msg = _stops(common.call_reward_fns, [lambda completions, **kw: [None]], [LONG_P], [LONG_C])
+    assert msg.startswith(f"error: every reward function (<lambda>) returned None for prompt 0: {LONG_P[:300]!r}, "
+                          f"completion {LONG_C[:300]!r}; ") and msg.endswith(
+        ".py needs a reward for every completion (only grpo.py leaves such a completion out, as TRL does): return a "
+        "number there or add a reward function that does.")
+    assert _stops(common.call_reward_fns, [lambda completions, **kw: [1.0]], ["p"], ["a"], None, {"log_extra": ["x"]}) == (
+        "error: the dataset's column 'log_extra' has the name of an argument TRL passes to reward functions (prompts, "
+        "completions, completion_ids, trainer_state, log_extra, log_metric): rename that column.")
+    # a callable without __name__ is named by what it prints
+    import functools
+    msg = _stops(common.call_reward_fns, [functools.partial(nan_on_long)], [LONG_P], [LONG_C])
+    assert msg.startswith("error: reward function functools.partial(<function ") and " returned nan for prompt 0" in msg
+
+
+def test_what_a_reward_function_receives_and_may_log():
+    """TRL's trainer_state (the step and max_steps, 0 and 0 outside a run), log_metric and log_extra
+    collected into `logs` (nowhere, without error, when no one asks), no function -> (N, 0), and the largest
+    float32 a valid reward."""
+    seen = []
+
+    def records(completions, trainer_state, log_extra, log_metric, **kw):
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        log_extra("upper", [c.upper() for c in completions])
+        log_metric("calls", 1.0)
+        return [3.4028234663852886e38] * len(completions)
+
+    logs = {"metrics": {}, "extra": {}}
+    scores = common.call_reward_fns([records], ["p", "q"], ["a", "b"], step=3, max_steps=7, logs=logs)
+    assert seen == [(3, 7)] and logs == {"metrics": {"calls": [1.0]}, "extra": {"upper": ["A", "B"]}}
+    assert scores[:, 0].tolist() == [torch.finfo(torch.float32).max] * 2
+    common.call_reward_fns([records], ["p"], ["a"])
+    assert seen[-1] == (0, 0)
+    assert common.call_reward_fns([], ["a", "b", "c"], ["x", "y", "z"]).shape == (3, 0)
+
+
+def test_reward_data_checks_read_parameters_and_the_first_row_only():
+    from datasets import Dataset
+
+    from worlds import world
+
+    def optional(completions, hint="", **kw):
+        return [1.0] * len(completions)
+
+    def needs(completions, answer, **kw):
+        return [1.0] * len(completions)
+
+    one = Dataset.from_dict({"prompt": ["a"]})
+    common.check_reward_data([optional], one, "--dataset", "d.jsonl")  # a parameter with a default needs no column
+    assert _stops(common.check_reward_data, [needs], one, "--dataset", "d.jsonl") == (
+        "error: reward function needs reads the column 'answer', which --dataset d.jsonl does not have (its columns: "
+        "prompt); pass data with that column or another reward function (checked before step 1: nothing was trained).")
+    # an --eval_dataset must hold the training data's columns a function reads, defaults or not
+    assert "reads the column 'hint', which --eval_dataset e.jsonl does not have (its columns: prompt)" in _stops(
+        common.check_reward_data, [optional], one, "--eval_dataset", "e.jsonl", ["hint"])
+    post = "POST: alice bought the bike . TL;DR:"  # the embedded world's prompt form
+    common.check_reward_data([world.gold_reward], Dataset.from_dict({"prompt": [post, "no post here"]}), "--dataset", "d")
+    msg = _stops(common.check_reward_data, [world.gold_reward], Dataset.from_dict({"prompt": ["no post here", post]}),
+                 "--dataset", "d")
+    assert msg.startswith("error: --dataset d cannot be scored (checked on its first row before step 1: nothing was "
+                          "trained): reward function gold_reward raised ValueError")
+
+
+def test_reward_and_eval_reward_lists_say_their_whole_sentences():
+    from rlhf import reward_contract
+
+    fns, weights = reward_contract.load_reward_fns("gold,arith_strict", "1,2")
+    assert [f.__name__ for f in fns] == ["gold_reward", "arith_strict"] and weights.tolist() == [1.0, 2.0]
+    assert _stops(reward_contract.load_reward_fns, "") == (
+        "error: --reward_fn is empty: pass gold, arith_strict, arith_lenient or file.py:function (comma-separated).")
+    assert _stops(reward_contract.load_reward_fns, "gold,gold") == (
+        "error: --reward_fn 'gold,gold': two rewards are named 'gold_reward', and rewards/gold_reward/mean can log only "
+        "one of them: rename one of the functions (or pass a function once and give it a weight with --reward_weights).")
+    assert _stops(reward_contract.load_reward_fns, "gold,arith_strict", "1") == (
+        "error: --reward_weights has 1 values for 2 rewards (gold_reward, arith_strict).")
+    assert _stops(reward_contract.load_reward_fns, "gold", "a") == (
+        "error: --reward_weights 'a': expected comma-separated numbers.")
+    assert list(reward_contract.load_eval_reward_fns("gold,arith_strict")) == ["gold", "arith_strict"]
+    assert reward_contract.load_eval_reward_fns("") == {}
+    assert _stops(reward_contract.load_eval_reward_fns, "gold,gold") == (
+        "error: --eval_reward_fn 'gold': a reward named 'gold' is already in --eval_reward_fn, and eval_rewards/gold/mean "
+        "can log only one of them: drop it or rename the function.")
+    assert _stops(reward_contract.load_eval_reward_fns, "arith_strict", ("arith_strict",)) == (
+        "error: --eval_reward_fn 'arith_strict': a reward named 'arith_strict' is already among the training rewards, "
+        "and eval_rewards/arith_strict/mean can log only one of them: drop it or rename the function.")
+    assert not reward_contract.is_module_spec("pkg.rewards.py") and reward_contract.is_module_spec("pkg.rewards.fn")
