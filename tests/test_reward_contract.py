@@ -609,11 +609,14 @@ def test_reward_data_checks_read_parameters_and_the_first_row_only():
     def needs(completions, answer, **kw):
         return [1.0] * len(completions)
 
-    one = Dataset.from_dict({"prompt": ["a"]})
+    one = Dataset.from_dict({"prompt": ["a"], "topic": ["b"]})
     common.check_reward_data([optional], one, "--dataset", "d.jsonl")  # a parameter with a default needs no column
-    assert _stops(common.check_reward_data, [needs], one, "--dataset", "d.jsonl") == (
+    # a function with no signature to read (a builtin) is skipped, and the functions after it are still checked
+    assert _stops(common.check_reward_data, [max, needs], one, "--dataset", "d.jsonl") == (
         "error: reward function needs reads the column 'answer', which --dataset d.jsonl does not have (its columns: "
-        "prompt); pass data with that column or another reward function (checked before step 1: nothing was trained).")
+        "prompt, topic); pass data with that column or another reward function (checked before step 1: nothing was "
+        "trained).")
+    one = one.remove_columns("topic")
     # an --eval_dataset must hold the training data's columns a function reads, defaults or not
     assert "reads the column 'hint', which --eval_dataset e.jsonl does not have (its columns: prompt)" in _stops(
         common.check_reward_data, [optional], one, "--eval_dataset", "e.jsonl", ["hint"])
