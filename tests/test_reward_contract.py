@@ -626,6 +626,10 @@ def test_reward_data_checks_read_parameters_and_the_first_row_only():
                  "--dataset", "d")
     assert msg.startswith("error: --dataset d cannot be scored (checked on its first row before step 1: nothing was "
                           "trained): reward function gold_reward raised ValueError")
+    # a conversational first row is checked with an empty answer in TRL's form: one assistant message
+    from worlds import world_arith
+    chat = {"prompt": [[{"role": "user", "content": post}]], "answer": ["4"]}
+    common.check_reward_data([world.gold_reward, world_arith.VERIFIERS["arith_strict"]], Dataset.from_dict(chat), "--dataset", "d")
 
 
 def test_reward_and_eval_reward_lists_say_their_whole_sentences():
