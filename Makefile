@@ -204,21 +204,21 @@ real-ifeval-wording: install
 RG_TASK ?= reasoning_gym:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1
 RG_GRPO ?= --num_generations 8 --batch_size 4 --gradient_accumulation_steps 1 --max_completion_length 12 --temperature 1.0 --learning_rate 2e-5 --max_steps 40 --save_steps 40
 RG_DIR = runs/rg/seed$(SEED)
+RG_EVAL = --dataset "$(RG_TASK)" --reward_fn reasoning_gym_strict --max_completion_length 12 --cache_dir runs/rg/cache
 .PHONY: real-rg
 real-rg: install real-model tasks-env
 	@mkdir -p $(RG_DIR)
 	OMP_NUM_THREADS=1 /usr/bin/time -f "grpo: %e s wall, %U+%S s CPU" -a -o $(RG_DIR)/times.txt $(PYTHON) grpo.py --seed $(SEED) --model $(REAL_MODEL) \
 	  --dataset "$(RG_TASK)" --reward_fn reasoning_gym $(RG_GRPO) --output_dir $(RG_DIR)/grpo --overwrite_output_dir
 	OMP_NUM_THREADS=1 /usr/bin/time -f "eval: %e s wall, %U+%S s CPU" -a -o $(RG_DIR)/times.txt $(PYTHON) eval.py base=$(REAL_MODEL) \
-	  grpo=$(RG_DIR)/grpo --dataset "$(RG_TASK)" --reward_fn reasoning_gym_strict --max_completion_length 12 \
-	  --cache_dir runs/rg/cache --output_dir $(RG_DIR)/eval
+	  grpo=$(RG_DIR)/grpo $(RG_EVAL) --output_dir $(RG_DIR)/eval
 # every seed's policy against the base, from the cached answers: accuracy with CIs over seeds + prompts
 RG_SEEDS ?= 0 1 2
 .PHONY: real-rg-seeds
 real-rg-seeds: install real-model tasks-env
 	@$(foreach s,$(RG_SEEDS),[ -f runs/rg/seed$(s)/eval/results.json ] || $(MAKE) --no-print-directory real-rg SEED=$(s) || exit 1;) true
 	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) grpo=$(subst $(space),$(comma),$(foreach s,$(RG_SEEDS),runs/rg/seed$(s)/grpo)) \
-	  --dataset "$(RG_TASK)" --reward_fn reasoning_gym_strict --max_completion_length 12 --cache_dir runs/rg/cache --output_dir runs/rg/eval
+	  $(RG_EVAL) --output_dir runs/rg/eval
 
 # The seeds table (docs/results.md): demo-real and real-more for training seeds 0, 1 and 2 (runs/real,
 # runs/real_seed1, runs/real_seed2: GRPO's, online DPO's and PPO's prompts and sampling, the DPO pairs'

@@ -4,22 +4,27 @@ holding it after a conversational prompt), a reward model reward.py's rendering 
 reward function and one reward model give identical scores through grpo.py, ppo.py,
 dpo.py --online and eval.py."""
 
+import functools
 import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import Dataset
 from conftest import chat_tokenizer, trl_python, uniform_words_model
 
 import common
 from rlhf import data
+from rlhf import reward_contract
 import dpo
 import eval as ev
 import grpo
 import ppo
 import reward
 from rlhf import sampling
+from worlds import world
+from worlds import world_arith
 
 REWARD_FN = '''
 SEEN = []
@@ -572,7 +577,6 @@ def test_every_refusal_of_a_reward_function_says_its_whole_sentence():
         "error: the dataset's column 'log_extra' has the name of an argument TRL passes to reward functions (prompts, "
         "completions, completion_ids, trainer_state, log_extra, log_metric): rename that column.")
     # a callable without __name__ is named by what it prints
-    import functools
     msg = _stops(common.call_reward_fns, [functools.partial(nan_on_long)], [LONG_P], [LONG_C])
     assert msg.startswith("error: reward function functools.partial(<function ") and " returned nan for prompt 0" in msg
 
@@ -599,10 +603,6 @@ def test_what_a_reward_function_receives_and_may_log():
 
 
 def test_reward_data_checks_read_parameters_and_the_first_row_only():
-    from datasets import Dataset
-
-    from worlds import world
-
     def optional(completions, hint="", **kw):
         return [1.0] * len(completions)
 
@@ -627,14 +627,11 @@ def test_reward_data_checks_read_parameters_and_the_first_row_only():
     assert msg.startswith("error: --dataset d cannot be scored (checked on its first row before step 1: nothing was "
                           "trained): reward function gold_reward raised ValueError")
     # a conversational first row is checked with an empty answer in TRL's form: one assistant message
-    from worlds import world_arith
     chat = {"prompt": [[{"role": "user", "content": post}]], "answer": ["4"]}
     common.check_reward_data([world.gold_reward, world_arith.VERIFIERS["arith_strict"]], Dataset.from_dict(chat), "--dataset", "d")
 
 
 def test_reward_and_eval_reward_lists_say_their_whole_sentences():
-    from rlhf import reward_contract
-
     fns, weights = reward_contract.load_reward_fns("gold,arith_strict", "1,2")
     assert [f.__name__ for f in fns] == ["gold_reward", "arith_strict"] and weights.tolist() == [1.0, 2.0]
     assert _stops(reward_contract.load_reward_fns, "") == (
