@@ -166,6 +166,15 @@ def outcomes_from_probs(prob_a, tie_margin):
     return np.where(np.abs(prob_a - 0.5) <= tie_margin, 0.5, (prob_a > 0.5).astype(float))
 
 
+def function_outcomes(fn_scores, fn_names, runs, pairs):
+    """Each reward function's outcomes on its own column of `fn_scores` ({run: (n, K)}), judged as
+    the weighted sum is (higher wins), with a tie where it returned None (NaN) for either response:
+    {function: {(a, b): (R_a, R_b, n)}} over the method pairs and their runs."""
+    return {f: {(a, b): np.array([[np.nan_to_num(outcomes_from_scores(fn_scores[ra][:, j], fn_scores[rb][:, j]), nan=0.5)
+                                   for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
+            for j, f in enumerate(fn_names)}
+
+
 def bootstrap_indices(n, num_bootstrap, seed):
     """Prompt indices of each bootstrap resample, shared by every statistic: (B, n)."""
     return np.random.default_rng(seed).integers(0, n, size=(num_bootstrap, n))
@@ -603,9 +612,7 @@ def main():
     # several reward functions: each one's outcomes too, judged as the weighted sum is (higher wins; a
     # function that returned None for either response: a tie), reported beside the sum
     fn_names = reward_fn_names(args) if fn_scores and next(iter(fn_scores.values())).shape[1] > 1 else []
-    fn_outcomes = {f: {(a, b): np.array([[np.nan_to_num(outcomes_from_scores(fn_scores[ra][:, j], fn_scores[rb][:, j]), nan=0.5)
-                                          for rb in runs[b]] for ra in runs[a]]) for a, b in pairs}
-                   for j, f in enumerate(fn_names)}  # {function: {(a, b): (R_a, R_b, n)}}
+    fn_outcomes = function_outcomes(fn_scores, fn_names, runs, pairs)  # {function: {(a, b): (R_a, R_b, n)}}
     # a reward function whose every score is 0 or 1 is a verifier: its mean score is an accuracy
     verifier = kind == "gold" and args.reward_fn != "gold" and all(is_binary(v) for v in scores.values())
 

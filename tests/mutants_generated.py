@@ -33,8 +33,8 @@ TARGETS = {
     "dpo.py": ["dpo_loss", "chosen_nll", "pair_logps"],
     "reward.py": ["bradley_terry_loss", "pair_scores"],
     "sft.py": ["sft_loss"],
-    "eval.py": ["outcomes_from_scores", "outcomes_from_probs", "bootstrap_indices", "resample_counts", "bootstrap_plan",
-                "resampled_totals", "percentile_ci", "mean_cis", "pass_at_k", "pass_at_k_stats", "group_stats",
+    "eval.py": ["outcomes_from_scores", "outcomes_from_probs", "function_outcomes", "bootstrap_indices", "resample_counts", "bootstrap_plan",
+                "resampled_totals", "percentile_ci", "mean_cis", "nan_mean_cis", "pass_at_k", "pass_at_k_stats", "group_stats",
                 "win_rate_stats", "win_matrix", "bradley_terry_elo", "unbounded_elo", "expected_wins"],
     # plumbing where a slip needs two conditions at once (a boundary, several calls or rows)
     "rlhf/tools.py": ["parse_tool_calls", "read_call", "execute"],
@@ -42,6 +42,20 @@ TARGETS = {
                             "abandon_newer_checkpoints"],
     "rlhf/reward_contract.py": ["is_module_spec", "call_reward_fns", "weighted_rewards", "load_reward_fns", "check_reward_names",
                                 "check_reward_data", "load_eval_reward_fns", "parse_reward_weights"],
+    "rlhf/sampling.py": ["stop_token_ids", "logit_transform", "lm_logits", "position_ids", "completion_states",
+                         "completion_logprobs", "packed_logprobs", "token_logprobs", "_head_logprobs", "generate",
+                         "sampling_noise", "noise_key", "_next_token", "processed_logits", "reward_completions",
+                         "completion_id_lists", "decode_completions", "sample_texts", "sequence_scores", "completion_scores",
+                         "reward_model_scores", "score_texts"],
+    "rlhf/data.py": ["load_data", "named_data", "is_task", "set_max_steps", "check_folder", "check_jsonl", "require_columns",
+                     "is_conversational", "check_messages", "check_text", "check_readable", "render_prompt",
+                     "check_renders_tools", "render_completion", "render_turns", "sft_pairs", "preference_triples",
+                     "batch_indices", "rank_batch", "count_truncated", "truncation_counts", "encode_prompts",
+                     "encode_completions", "encode_turns", "encode_examples", "pack", "packed_batch", "_ends_with_stop",
+                     "_has_bos", "_pad"],
+    "rlhf/evaluation/judges.py": ["answer_token_ids", "prompt_text", "fill_template", "load_judge_template", "judge_input",
+                                  "prob_first_better", "llm_judge", "position_debiased", "pairwise_first_better", "_shown",
+                                  "answer_prob", "post_json", "http_first_better"],
 }
 T = "tests/"
 TESTS = {
@@ -90,6 +104,14 @@ TESTS = {
                                 T + "test_field_tasks.py::test_a_dotted_name_that_does_not_import_says_so",
                                 T + "test_never_lose_a_run.py::test_a_wrong_reward_stops_with_one_sentence",
                                 T + "test_never_lose_a_run.py::test_an_eval_dataset_the_rewards_cannot_score_stops_before_step_1"],
+    "rlhf/sampling.py": [T + "test_sampling.py", T + "test_rows.py", T + "test_stop_rule.py", T + "test_architectures.py",
+                         T + "test_reward.py", T + "test_sft.py::test_packed_rows_give_the_unpacked_loss", "-k", "not end_to_end"],
+    "rlhf/data.py": [T + "test_common.py", T + "test_sampling.py", T + "test_stop_rule.py", T + "test_boundaries.py",
+                     T + "test_guards.py", T + "test_sft.py", T + "test_tools.py", T + "test_field_tasks.py", "-k",
+                     "not end_to_end and not from_scratch and not nan_loss and not help_imports and not adamw and not raising_reward "
+                     "and not long_prompts_are_cut and not any_model_on_conversational"],
+    "rlhf/evaluation/judges.py": [T + "test_judge_http.py", T + "test_eval.py", T + "test_rows.py",
+                                  "-k", "not end_to_end and not methods_from_the_command_line"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
 
@@ -115,6 +137,21 @@ def fence(path, targets):
         f.write("\n".join(lines) + "\n")
 
 
+def beside(copy, path, name):
+    """What mutmut copies unmutated for `path` (a file, or a folder ending in /): the folder whole,
+    or, when it holds the mutated file `name`, each of its other entries (recursively into the
+    subfolder that holds `name`)."""
+    if not (path.endswith("/") and name.startswith(path)):
+        return [path]
+    out = []
+    for entry in sorted(os.listdir(os.path.join(copy, path))):
+        sub = os.path.join(path, entry)
+        if sub == name:
+            continue
+        out += beside(copy, sub + "/", name) if os.path.isdir(os.path.join(copy, sub)) else [sub]
+    return out
+
+
 def run_file(name, mutmut, timeout):
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory(prefix="mutmut-") as copy:
@@ -125,10 +162,8 @@ def run_file(name, mutmut, timeout):
         fence(os.path.join(copy, name), TARGETS[name])
         also = []
         for f in [*TARGETS, *OTHER]:
-            if f.endswith("/") and name.startswith(f):  # the mutated file's own folder: its other files only
-                also += sorted(os.path.join(f, g) for g in os.listdir(os.path.join(copy, f)) if os.path.join(f, g) != name)
-            elif f != name:
-                also.append(f)
+            if f != name and not any(d.endswith("/") and f.startswith(d) for d in OTHER if d != f):
+                also += beside(copy, f, name)
         with open(os.path.join(copy, "setup.cfg"), "w") as f:
             f.write("[mutmut]\nsource_paths=\n    " + name + "\nalso_copy=\n" + "".join(f"    {a}\n" for a in also)
                     + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in TESTS[name]))

@@ -198,3 +198,32 @@ def test_percentile_interval_and_unbounded_sides():
     assert math.isclose(lo, 0.025) and math.isclose(hi, 0.975)
     assert ev.unbounded_elo(np.array([[0.0, 5.0], [0.0, 0.0]])).tolist() == [0, -1]
     assert ev.unbounded_elo(np.array([[0.0, 0.0], [5.0, 0.0]])).tolist() == [0, 1]
+
+
+def test_each_reward_functions_outcomes_read_its_own_column_and_tie_on_none():
+    """function_outcomes: for every method pair and every pair of their runs, function j's outcome
+    on a prompt is 1, 0.5 or 0 as its own column's scores compare (higher wins), and 0.5 where
+    either response got None (NaN); the other column never enters."""
+    nan = float("nan")
+    fn_scores = {  # run -> (n prompts, K = 2 functions)
+        "a0": np.array([[1.0, 5.0], [2.0, nan], [0.0, 1.0]]),
+        "a1": np.array([[0.0, 0.0], [3.0, 2.0], [1.0, nan]]),
+        "b0": np.array([[0.5, 1.0], [2.0, 1.0], [2.0, 0.0]]),
+    }
+    runs = {"a": ["a0", "a1"], "b": ["b0"]}
+    got = ev.function_outcomes(fn_scores, ["first", "second"], runs, [("a", "b")])
+    assert set(got) == {"first", "second"} and set(got["first"]) == {("a", "b")}
+
+    def direct(x, y):
+        return 0.5 if math.isnan(x) or math.isnan(y) else (1.0 if x > y else 0.0 if x < y else 0.5)
+
+    for j, f in enumerate(["first", "second"]):
+        out = got[f]["a", "b"]
+        assert out.shape == (2, 1, 3)
+        for r, ra in enumerate(runs["a"]):
+            for i in range(3):
+                assert out[r, 0, i] == direct(fn_scores[ra][i, j], fn_scores["b0"][i, j]), (f, ra, i)
+    # the second function's outcomes differ from the first's: the columns are not mixed up
+    assert got["first"]["a", "b"].tolist() == [[[1.0, 0.5, 0.0]], [[0.0, 1.0, 0.0]]]
+    assert got["second"]["a", "b"].tolist() == [[[1.0, 0.5, 1.0]], [[0.0, 1.0, 0.5]]]
+    assert ev.function_outcomes(fn_scores, [], runs, [("a", "b")]) == {}

@@ -92,6 +92,54 @@ def test_sampling_filters_keep_top_k_and_the_nucleus():
     assert abs((full == 2).float().mean() - probs[2]) < 0.03  # plain sampling follows the softmax
 
 
+SAMPLING_KNOBS = [dict(temperature=0.7), dict(top_k=3), dict(top_k=12), dict(top_p=0.5), dict(top_p=0.93),
+                  dict(min_p=0.3), dict(repetition_penalty=1.7), dict(repetition_penalty=0.6),
+                  dict(temperature=1.3, top_k=6, top_p=0.8, min_p=0.05, repetition_penalty=1.4)]
+
+
+def _hf_processed(logits, seen_ids, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+    """HF generate's processors, in generate's order: repetition penalty, temperature, top-k, top-p, min-p."""
+    from transformers.generation import logits_process as lp
+
+    steps = ([lp.RepetitionPenaltyLogitsProcessor(repetition_penalty)] if repetition_penalty != 1.0 else []) + \
+        ([lp.TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + \
+        ([lp.TopKLogitsWarper(top_k)] if top_k else []) + ([lp.TopPLogitsWarper(top_p)] if top_p < 1.0 else []) + \
+        ([lp.MinPLogitsWarper(min_p)] if min_p else [])
+    for step in steps:
+        logits = step(seen_ids, logits)
+    return logits
+
+
+@pytest.mark.parametrize("knobs", SAMPLING_KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_processed_logits_and_each_sample_are_hf_generates(knobs):
+    """processed_logits equals HF's logits processors on random logits of 6 rows, each row with its
+    own seen tokens (-inf where HF drops a token, the same value where it keeps one); _next_token
+    with given noise is the exponential race over that distribution, and greedy decoding (no
+    sample) is the argmax after the repetition penalty alone."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    seen_ids = torch.randint(0, 40, (6, 5), generator=gen)  # each row's prompt and completion so far
+    seen = torch.zeros(6, 40, dtype=torch.bool).scatter_(1, seen_ids, True)
+    ours = sampling.processed_logits(logits, knobs.get("temperature", 1.0), knobs.get("top_p", 1.0), knobs.get("top_k", 0),
+                                     knobs.get("min_p", 0.0), knobs.get("repetition_penalty", 1.0),
+                                     seen if "repetition_penalty" in knobs else None)
+    hf = _hf_processed(logits.clone(), seen_ids, **knobs)
+    assert torch.equal(ours.isinf(), hf.isinf()), knobs
+    assert torch.allclose(ours[~ours.isinf()], hf[~hf.isinf()], rtol=1e-6, atol=1e-6), knobs
+    assert 1 <= int((~ours.isinf()).sum(-1).min())  # a filter keeps the most probable token
+    assert bool(ours.isinf().any()) == any(k in knobs for k in ("top_k", "top_p", "min_p"))  # and drops some on these logits
+    noise = torch.rand(6, 40, generator=gen)
+    sample = sampling._next_token(logits, knobs.get("temperature", 1.0), knobs.get("top_p", 1.0), knobs.get("top_k", 0),
+                                  True, knobs.get("min_p", 0.0), knobs.get("repetition_penalty", 1.0),
+                                  seen if "repetition_penalty" in knobs else None, noise=noise)
+    assert sample.tolist() == (hf.softmax(-1) / -torch.log(noise)).argmax(-1).tolist(), knobs
+    greedy = sampling._next_token(logits, knobs.get("temperature", 1.0), knobs.get("top_p", 1.0), knobs.get("top_k", 0),
+                                  False, knobs.get("min_p", 0.0), knobs.get("repetition_penalty", 1.0),
+                                  seen if "repetition_penalty" in knobs else None, noise=noise)
+    penalised = _hf_processed(logits.clone(), seen_ids, repetition_penalty=knobs.get("repetition_penalty", 1.0))
+    assert greedy.tolist() == penalised.argmax(-1).tolist(), knobs
+
+
 def test_exponential_race_samples_the_softmax():
     """argmax p / Exp(1) draws token v with probability p_v: frequencies over 40,000 draws are
     within 4 standard errors of the softmax, for every token."""
@@ -238,3 +286,130 @@ def test_a_generation_config_stop_token_ends_the_completion():
     n = int(cm[0].sum())
     assert n <= 3 and c[0, n - 1] == stop and not truncated[0]
     assert (c[0, n:] == tok.pad_token_id).all() and cm[0, n:].sum() == 0
+
+
+# ------------------------------------------------------------------ plumbing at its edges
+def test_decoded_completions_drop_the_stop_token_and_special_tokens_only():
+    """decode_completions: a finished row loses its last real token (the stop token, even one
+    that is not a special token, as a generation config's may be), a truncated row keeps every
+    token, padding never shows, and special tokens inside a completion are skipped as TRL's
+    batch_decode(skip_special_tokens=True) skips them."""
+    from conftest import chat_tokenizer
+
+    tok = chat_tokenizer()
+    words = tok(" alice bought the bike .", add_special_tokens=False)["input_ids"]
+    assert len(words) == 5
+    eos, pad, user = tok.eos_token_id, tok.pad_token_id, tok.convert_tokens_to_ids("<|user|>")
+    ids = torch.tensor([[words[0], words[1], eos, pad], [words[0], words[1], words[2], words[3]],
+                        [words[0], user, words[3], words[4]], [words[0], words[2], words[4], pad]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    truncated = torch.tensor([False, True, True, False])  # row 3 ends in "." as its stop token
+    texts = sampling.decode_completions(tok, ids, mask, truncated)
+    assert texts == [tok.decode(words[:2]), tok.decode(words[:4]), tok.decode([words[0], words[3], words[4]]),
+                     tok.decode([words[0], words[2]])] == [" alice bought", " alice bought the bike", " alice bike .", " alice the"]
+    assert sampling.completion_id_lists(ids, mask) == [ids[0, :3].tolist(), ids[1].tolist(), ids[2].tolist(),
+                                                        ids[3, :3].tolist()]
+
+
+def test_seeded_noise_differs_by_step_and_row_and_a_row_keeps_its_own():
+    """sampling_noise with a generator: row i of a rank whose rows start at first_row is global
+    row first_row + i's noise, whoever draws it; two steps, two rows and two seeds differ."""
+    gen = torch.Generator()
+    whole = sampling.sampling_noise((6, 50), "cpu", gen, seed=3, step=4, first_row=0)
+    shard = sampling.sampling_noise((2, 50), "cpu", gen, seed=3, step=4, first_row=2)
+    assert torch.equal(shard, whole[2:4])
+    assert not torch.equal(whole[0], whole[1])  # rows differ
+    assert not torch.equal(whole, sampling.sampling_noise((6, 50), "cpu", gen, seed=3, step=5))  # steps differ
+    assert not torch.equal(whole, sampling.sampling_noise((6, 50), "cpu", gen, seed=4, step=4))  # seeds differ
+    assert torch.equal(whole, sampling.sampling_noise((6, 50), "cpu", gen, seed=3, step=4))  # and it is a function of them
+    assert ((whole >= 0) & (whole < 1)).all()
+    keys = {sampling.noise_key(s, t, r) for s in range(3) for t in range(3) for r in range(3)}
+    assert len(keys) == 27 and all(0 <= k < 2 ** 63 for k in keys)
+
+
+@pytest.mark.parametrize("attribute, value, formula", [
+    ("final_logit_softcapping", 4.0, lambda x: 4.0 * torch.tanh(x / 4.0)),
+    ("logit_scale", 0.25, lambda x: x * 0.25),
+    ("logits_scaling", 8.0, lambda x: x / 8.0),
+    ("lm_head_multiplier", 3.0, lambda x: x * 3.0),
+])
+def test_logit_transform_is_each_architectures_own_formula(attribute, value, formula):
+    """logit_transform: Gemma's softcap, Cohere's scale, Granite's divisor and Falcon-H1's
+    multiplier each as its formula; a factor of 1 (or none) is no transform; two apply in turn."""
+    from types import SimpleNamespace
+
+    x = torch.linspace(-20, 20, 41)
+    torch.testing.assert_close(sampling.logit_transform(SimpleNamespace(**{attribute: value}))(x), formula(x))
+    neutral = 0 if attribute == "final_logit_softcapping" else 1
+    assert sampling.logit_transform(SimpleNamespace(**{attribute: neutral})) is None
+    assert sampling.logit_transform(SimpleNamespace()) is None
+    both = sampling.logit_transform(SimpleNamespace(**{attribute: value, "lm_head_multiplier": 0.5}
+                                                    if attribute != "lm_head_multiplier" else {attribute: value, "logit_scale": 2.0}))
+    second = (lambda y: y * 0.5) if attribute != "lm_head_multiplier" else (lambda y: y * 2.0)
+    torch.testing.assert_close(both(x), second(formula(x)))
+
+
+def test_token_logprobs_with_no_kept_token_and_more_tokens_than_hidden_units():
+    """token_logprobs: no kept token gives zeros (no empty concatenation); with more kept tokens
+    than hidden units and small chunks every token is computed, as one chunk computes it."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=16, num_layers=1)
+    hidden = torch.randn(3, 12, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, len(tok), (3, 12), generator=torch.Generator().manual_seed(1))
+    nothing = torch.zeros(3, 12, dtype=torch.bool)
+    lp, ent = sampling.token_logprobs(model, hidden, labels, nothing, with_entropy=True)
+    assert lp.shape == ent.shape == (3, 12) and not lp.any() and not ent.any()
+    keep = torch.ones(3, 12, dtype=torch.bool)
+    keep[0, :2] = False  # 34 kept tokens > 16 hidden units
+    with torch.no_grad():
+        small = sampling.token_logprobs(model, hidden, labels, keep, chunk_tokens=5)
+        whole = sampling.token_logprobs(model, hidden, labels, keep, chunk_tokens=1000)
+        direct = torch.log_softmax(model.get_output_embeddings()(hidden).float(), -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(small, whole)
+    torch.testing.assert_close(small, direct * keep)
+    assert small.dtype == torch.float32 and (small[keep] < 0).all()
+
+
+def test_a_reward_model_without_a_generation_config_stops_at_its_configs_eos():
+    """stop_token_ids of a model with no generation config (a sequence classifier) reads the
+    model's config: its eos_token_id joins the tokenizer's EOS."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = world.build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id,
+                      eos_token_id=[5, 6])
+    rm = Qwen2ForSequenceClassification(cfg)
+    assert getattr(rm, "generation_config", None) is None
+    assert sampling.stop_token_ids(rm, tok) == sorted({tok.eos_token_id, 5, 6})
+
+
+def test_score_texts_renders_conversations_cuts_prompts_and_batches_like_one_at_a_time():
+    """score_texts: conversational prompts and assistant-message completions are rendered with
+    the reward model's chat template, as reward.py renders its pairs; prompts keep their last
+    max_prompt_length tokens and the completion is never cut; batches of 2 give each row's
+    score alone."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from conftest import chat_tokenizer
+
+    tok = chat_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    prompts = [[{"role": "user", "content": "POST: alice bought the bike ."}], "POST: bob lost it .\nTL;DR:",
+               [{"role": "user", "content": "POST: i think bob lost the red phone . we had a lot of fun ."}]]
+    completions = [[{"role": "assistant", "content": "alice bought bike ."}], " bob lost it .",
+                   [{"role": "assistant", "content": "bob lost phone ."}]]
+    scores = sampling.score_texts(rm, tok, prompts, completions, batch_size=2, max_prompt_length=6)
+    stops = sampling.stop_token_ids(rm, tok)
+    for i in range(3):
+        p_ids, _ = data.encode_prompts(tok, [data.render_prompt(tok, prompts[i])], 6)
+        c_ids, _ = data.encode_completions(tok, [data.render_completion(tok, prompts[i], completions[i])], None, stops)
+        assert c_ids.shape[1] > 6 or i == 1  # the completions are longer than the prompts' cut
+        with torch.no_grad():
+            alone = rm(input_ids=torch.cat([p_ids, c_ids], 1)).logits[0, 0]
+        assert scores[i].item() == pytest.approx(alone.item(), abs=1e-5), i
+    uncut = sampling.score_texts(rm, tok, prompts, completions, batch_size=3)
+    assert not torch.allclose(uncut, scores)  # the cut changed what the model read
