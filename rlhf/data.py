@@ -162,7 +162,7 @@ def check_jsonl(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # without its newline: a line cut short is named at its own end
             except json.JSONDecodeError as e:
                 basics.fail(f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}).")
             if not isinstance(row, dict):

@@ -106,11 +106,12 @@ TESTS = {
                                 T + "test_never_lose_a_run.py::test_an_eval_dataset_the_rewards_cannot_score_stops_before_step_1"],
     "rlhf/sampling.py": [T + "test_sampling.py", T + "test_rows.py", T + "test_stop_rule.py", T + "test_architectures.py",
                          T + "test_reward.py", T + "test_sft.py::test_packed_rows_give_the_unpacked_loss", "-k", "not end_to_end"],
-    "rlhf/data.py": [T + "test_common.py", T + "test_sampling.py", T + "test_stop_rule.py", T + "test_boundaries.py",
-                     T + "test_guards.py", T + "test_sft.py", T + "test_tools.py", T + "test_field_tasks.py", "-k",
+    "rlhf/data.py": [T + "test_refusals.py", T + "test_encoding.py", T + "test_common.py", T + "test_sampling.py", T + "test_stop_rule.py",
+                     T + "test_boundaries.py", T + "test_guards.py", T + "test_sft.py", T + "test_tools.py",
+                     T + "test_field_tasks.py", T + "test_sft.py::test_packed_rows_give_the_unpacked_loss", "-k",
                      "not end_to_end and not from_scratch and not nan_loss and not help_imports and not adamw and not raising_reward "
                      "and not long_prompts_are_cut and not any_model_on_conversational"],
-    "rlhf/evaluation/judges.py": [T + "test_judge_http.py", T + "test_eval.py", T + "test_rows.py",
+    "rlhf/evaluation/judges.py": [T + "test_refusals.py", T + "test_judge_http.py", T + "test_eval.py", T + "test_rows.py",
                                   "-k", "not end_to_end and not methods_from_the_command_line"],
 }
 OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
@@ -168,7 +169,7 @@ def run_file(name, mutmut, timeout):
             f.write("[mutmut]\nsource_paths=\n    " + name + "\nalso_copy=\n" + "".join(f"    {a}\n" for a in also)
                     + "pytest_add_cli_args_test_selection=\n" + "".join(f"    {t}\n" for t in TESTS[name]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-        start = time.time()
+        start, run = time.time(), None
         try:
             run = subprocess.run([*mutmut, "run", "--max-children", "1"], cwd=copy, env=env, timeout=timeout,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -195,6 +196,8 @@ def run_file(name, mutmut, timeout):
                                                        not l.startswith(("+++", "---"))))
         for m in other:
             print(f"--- {m}")
+        if any(s == "not checked" for s in status.values()) and run is not None:
+            print(f"{name}: mutants left unchecked; mutmut's last words:\n{run.stderr[-3000:]}")
         return killed, len(status)
 
 

@@ -250,6 +250,8 @@ def post_json(url, body, headers, timeout, max_bytes=MAX_REPLY_BYTES):
         if len(data) > max_bytes:
             raise ValueError(f"the reply is larger than {max_bytes} bytes")
         return json.loads(data)
+    except urllib.error.HTTPError:  # an error status, as it is (an OSError too, which the next clause would rename)
+        raise
     except (OSError, http.client.HTTPException) as e:
         if expired.is_set():
             raise TimeoutError(f"no complete reply within {timeout:g} s") from None
@@ -290,7 +292,8 @@ def http_first_better(model_name, args, template, prompts, firsts, seconds):
                 reason = basics.brief(e, 160)
                 continue
             return answer_prob(response)
-        raise JudgeUnreachable(f"{url} gave no answer in {1 + args.judge_max_retries} tries ({reason})")
+        tries = 1 + args.judge_max_retries
+        raise JudgeUnreachable(f"{url} gave no answer in {tries} {'try' if tries == 1 else 'tries'} ({reason})")
 
     texts = [fill_template(template, p, a, b) for p, a, b in zip(prompts, firsts, seconds)]
     pool = concurrent.futures.ThreadPoolExecutor(HTTP_WORKERS)

@@ -1,0 +1,183 @@
+"""rlhf/data.py's encoding against what it promises, at the edges small tests skip: the turns of a
+conversation (which text is trained, which is masked), a tokenizer that adds BOS, completions that
+already end in a stop token, cut and packed examples, and the worlds' splits by name."""
+
+import pytest
+import torch
+from conftest import chat_tokenizer
+
+from rlhf import basics
+from rlhf import data
+
+
+def _bos_tokenizer():
+    """The chat tokenizer, adding <bos> in front of every encoded text, as Llama's and Gemma's do."""
+    from tokenizers import processors
+
+    tok = chat_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    bos = tok.convert_tokens_to_ids("<bos>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert tok("alice")["input_ids"][0] == bos and tok("alice", add_special_tokens=False)["input_ids"][0] != bos
+    return tok, bos
+
+
+def test_each_turn_is_trained_or_masked_and_the_turns_join_to_the_completion():
+    """render_turns of user, assistant, tool, assistant after a one-message prompt: each assistant
+    turn as the template writes it, end-of-turn included, is trained; the tool turn and the
+    generation prompt before the next assistant turn are masked; a user turn after the last
+    assistant turn is masked without a generation prompt. Joined, they are render_completion's."""
+    tok = chat_tokenizer()
+    prompt = [{"role": "user", "content": "say 3"}]
+    completion = [{"role": "assistant", "content": "f 3"}, {"role": "tool", "content": "3"},
+                  {"role": "assistant", "content": "3"}, {"role": "user", "content": "say"}]
+    segments = data.render_turns(tok, prompt, completion)
+    assert segments == [(" f 3 <eos> ", True), ("<|tool|> 3 <|assistant|>", False), (" 3 <eos> ", True),
+                        ("<|user|> say ", False)]
+    assert "".join(t for t, _ in segments) == data.render_completion(tok, prompt, completion[:3]) + "<|user|> say "
+    # the rendered prompt ends with the generation prompt, so the first assistant turn starts after it
+    assert data.render_prompt(tok, prompt) == "<|user|> say 3 <|assistant|>"
+
+
+def test_a_text_prompt_before_assistant_messages_is_the_users_turn():
+    """A plain-text prompt with a conversational completion (TRL accepts the mix): the prompt is
+    the user's message, in render_completion and render_turns alike."""
+    tok = chat_tokenizer()
+    completion = [{"role": "assistant", "content": "f 3"}]
+    as_messages = data.render_completion(tok, [{"role": "user", "content": "say 3"}], completion)
+    assert data.render_completion(tok, "say 3", completion) == as_messages
+    assert data.render_turns(tok, "say 3", completion) == data.render_turns(tok, [{"role": "user", "content": "say 3"}],
+                                                                             completion) == [(as_messages, True)]
+    assert data.render_turns(tok, "say 3", " f 3") == [(" f 3", True)]  # a text completion: one trained segment
+
+
+def test_tools_reach_every_turn_of_the_template():
+    """render_turns with tools: the schemas go to the chat template at every turn (a template that
+    writes them before the first message renders every prefix with them)."""
+    tok = chat_tokenizer()
+    tok.chat_template = "{% if tools %}[tools]{% endif %}" + tok.chat_template
+    completion = [{"role": "assistant", "content": "f 3"}]
+    plain = data.render_turns(tok, "say 3", completion)
+    with_tools = data.render_turns(tok, "say 3", completion, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert with_tools == plain  # the tools sit in the prompt's part, rendered alike at both ends of each turn
+
+
+def test_prompts_get_bos_once_and_completions_never():
+    """encode_prompts adds the tokenizer's BOS unless the text already starts with it;
+    encode_completions and encode_turns add none (a completion continues the prompt)."""
+    tok, bos = _bos_tokenizer()
+    ids, mask = data.encode_prompts(tok, ["alice bought", "<bos>alice bought"])
+    assert ids.dtype == mask.dtype == torch.long
+    assert ids[0].tolist() == ids[1].tolist() and ids[0, 0] == bos and (ids[0] == bos).sum() == 1
+    c_ids, c_mask = data.encode_completions(tok, [" alice ."])
+    assert bos not in c_ids[0].tolist() and c_ids[0, -1] == tok.eos_token_id
+    t_ids, t_mask, loss = data.encode_turns(tok, [[(" alice", True), (" .", False)]])
+    assert bos not in t_ids[0].tolist()
+
+
+def test_ends_with_stop_reads_past_whitespace_to_the_first_token():
+    tok = chat_tokenizer()
+    eos, space = tok.eos_token_id, tok(" ", add_special_tokens=False)["input_ids"]
+    word = tok(" alice", add_special_tokens=False)["input_ids"]
+    stops = {eos}
+    assert data._ends_with_stop(tok, [eos], stops)  # the stop token alone, at index 0
+    assert data._ends_with_stop(tok, [eos, *space], stops) == bool(space)
+    assert data._ends_with_stop(tok, [*word, eos], stops)
+    assert not data._ends_with_stop(tok, [eos, *word], stops)
+    assert not data._ends_with_stop(tok, [], stops)
+
+
+def test_turns_end_with_one_stop_token_trained_and_cut_alike():
+    """encode_turns: EOS is added (and trained) unless the text already ends in a stop token,
+    `stop_ids` None meaning EOS alone; max_length cuts the ids and the loss mask together; padding
+    is 0 in the loss mask."""
+    tok = chat_tokenizer()
+    eos = tok.eos_token_id
+    alice = tok(" alice", add_special_tokens=False)["input_ids"]
+    dot = tok(" .", add_special_tokens=False)["input_ids"]
+    ids, mask, loss = data.encode_turns(tok, [[(" alice", True), (" .", False)], [(" alice <eos>", True)]])
+    assert ids[0].tolist() == alice + dot + [eos]
+    assert loss[0].tolist() == [1] * len(alice) + [0] * len(dot) + [1]  # the added EOS is trained
+    n = len(tok(" alice <eos>", add_special_tokens=False)["input_ids"])
+    assert mask[1].tolist() == [1] * n + [0] * (mask.shape[1] - n) and loss[1].tolist() == mask[1].tolist()
+    # a stop token other than EOS: with stop_ids it ends the completion, without it EOS follows
+    stop = dot[-1]
+    with_stop, _, _ = data.encode_turns(tok, [[(" alice .", True)]], None, [eos, stop])
+    without, _, _ = data.encode_turns(tok, [[(" alice .", True)]])
+    assert with_stop[0].tolist() == alice + dot and without[0].tolist() == alice + dot + [eos]
+    cut_ids, cut_mask, cut_loss = data.encode_turns(tok, [[(" alice", True), (" .", False)]], max_length=len(alice) + 1)
+    assert cut_ids[0].tolist() == alice + dot[:1] and cut_loss[0].tolist() == [1] * len(alice) + [0]
+    c_ids, c_mask = data.encode_completions(tok, [" alice .", " alice"], max_length=len(alice) + 1, stop_ids=[eos, stop])
+    assert c_ids[0].tolist() == alice + dot[:1] and c_ids[1].tolist() == alice + [eos]
+
+
+def test_examples_count_each_cut_and_keep_their_stop_tokens():
+    """encode_examples: the number of examples longer than max_length, each counted once; the
+    completion's stop rule is the caller's stop_ids."""
+    tok = chat_tokenizer()
+    eos = tok.eos_token_id
+    dot = tok(" .", add_special_tokens=False)["input_ids"][-1]
+    prompts = [" alice bought", " bob", " alice bought the bike"]
+    turns = [[(" the bike .", True)], [(" .", True)], [(" the .", True)]]
+    lengths = [len(tok(p)["input_ids"]) + len(tok(t[0][0], add_special_tokens=False)["input_ids"]) for p, t in
+               zip(prompts, turns)]  # each completion already ends in the stop token "."
+    max_length = sorted(lengths)[1]  # one example longer than this, one exactly this long
+    ids, masks, cut = data.encode_examples(tok, prompts, turns, max_length, stop_ids=[eos, dot])
+    assert cut == sum(n > max_length for n in lengths) == 1
+    assert sorted(lengths) == [2, 5, 6] and [len(x) for x in ids] == [min(n, max_length) for n in lengths]
+    assert all(eos not in x for x in ids)  # "." ends each completion: no EOS added
+    _, _, cut_all = data.encode_examples(tok, prompts, turns, 1, stop_ids=[eos, dot])
+    assert cut_all == 3
+
+
+def test_truncation_counts_read_the_whole_completion_and_zero_without_a_limit():
+    """count_truncated of turns counts all of a completion's tokens (masked turns included), not
+    only the trained ones; without max_length nothing is cut."""
+    tok = chat_tokenizer()
+    turns = [[(" alice", True), (" bought the bike the bike the bike", False)]]
+    n_trained = len(tok(" alice", add_special_tokens=False)["input_ids"]) + 1
+    assert data.count_truncated(tok, turns, n_trained + 1, [tok.eos_token_id]) == 1
+    assert data.count_truncated(tok, turns, None, [tok.eos_token_id]) == 0
+    assert data.count_truncated(tok, [" alice", " alice bought the bike"], 2) == 1  # prompts (stop_ids None)
+    texts = [" alice bought the bike"] * 3 + [" bob"]
+    assert data.count_truncated(tok, texts, 2) == 3
+
+
+def test_packing_fits_exactly_full_rows_and_masks_each_examples_first_token():
+    """pack fills a row to exactly max_length when an example fits exactly; packed_batch's loss
+    mask is 0 at every example's first token (nothing before it in its example predicts it) and
+    on padding, and its positions restart with each example."""
+    assert data.pack([2, 2], 4) == [[0, 1]]
+    assert data.pack([3, 2, 1], 4) == [[0, 2], [1]]
+    ids = [[5, 6, 7], [8, 9]]
+    masks = [[1, 1, 1], [1, 1]]
+    input_ids, positions, real, loss = data.packed_batch([[0, 1]], ids, masks, pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 8, 9]] and positions.tolist() == [[0, 1, 2, 0, 1]]
+    assert loss.tolist() == [[0, 1, 1, 0, 1]] and real.tolist() == [[1] * 5]
+    input_ids, positions, real, loss = data.packed_batch([[0], [1]], ids, masks, pad_id=0)
+    assert positions.tolist() == [[0, 1, 2], [0, 1, 0]] and loss.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert real.tolist() == [[1, 1, 1], [1, 1, 0]] and input_ids[1, 2] == 0
+
+
+def test_only_lists_of_role_and_content_messages_are_conversations():
+    assert data.is_conversational([{"role": "user", "content": "a"}])
+    assert data.is_conversational([])
+    assert not data.is_conversational("a")
+    assert not data.is_conversational(["a"])
+    assert not data.is_conversational([{"role": "user"}])
+    assert not data.is_conversational([{"content": "a"}])
+
+
+@pytest.mark.parametrize("spec, build", [
+    ("embedded:arith", lambda split, seed: basics.arith_split("embedded:arith", split, seed)),
+    ("embedded:code", basics.code_split),
+    ("embedded:ifeval", basics.ifeval_split),
+])
+def test_a_worlds_name_gives_its_split_for_the_seed(spec, build):
+    """named_data of a world's name: that world's `world_split` split for the seed (the --dataset_split
+    is a file's or the Hub's, ignored here); the rl and test splits differ."""
+    rl = data.named_data(spec, "ignored", "rl", 1)
+    assert rl["prompt"] == build("rl", 1)["prompt"]
+    assert rl["prompt"] != data.named_data(spec, "ignored", "test", 1)["prompt"]
+    if spec != "embedded:ifeval":  # its rl split does not depend on the seed
+        assert rl["prompt"] != data.named_data(spec, "ignored", "rl", 2)["prompt"]
