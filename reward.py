@@ -83,7 +83,7 @@ def expand_layers(model, n):
     -- and only a layer above that one can read it there."""
     body, config = sampling.backbone(model), model.config
     for _ in range(n):
-        top = body.layers[-1]
+        top = body.layers[-1] if getattr(body, "layers", None) else body  # GPT-2's blocks are body.h
         if not (hasattr(getattr(top, "self_attn", None), "o_proj") and hasattr(getattr(top, "mlp", None), "down_proj")):
             common.fail(f"--expand_layers: {type(top).__name__} has no self_attn.o_proj and mlp.down_proj "
                         "(Llama, Qwen, Mistral and Gemma layers have them); pass --expand_layers 0.")

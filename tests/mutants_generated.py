@@ -114,7 +114,7 @@ TESTS = {
     "rlhf/evaluation/judges.py": [T + "test_refusals.py", T + "test_judge_http.py", T + "test_eval.py", T + "test_rows.py",
                                   "-k", "not end_to_end and not methods_from_the_command_line"],
 }
-OTHER = ["common.py", "sweep.py", "pytest.ini", "rlhf/", "worlds/"]
+OTHER = ["common.py", "sweep.py", "kto.py", "distill.py", "pytest.ini", "rlhf/", "worlds/", "studies/"]
 
 
 def fence(path, targets):

@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 0.25}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}),
+    # learned absolute positions: shifting a left-padded row's positions changes its numbers
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
 }
 
 
@@ -137,9 +139,10 @@ def test_reward_scores_share_the_prompt_and_survive_expansion(arch):
     import reward
 
     config_name, model_name, _ = ARCHITECTURES[arch]
-    cls = getattr(transformers, model_name.replace("ForCausalLM", "ForSequenceClassification"), None)
+    classifier = model_name.replace("ForCausalLM", "ForSequenceClassification").replace("LMHeadModel", "ForSequenceClassification")
+    cls = getattr(transformers, classifier, None)
     if cls is None:
-        pytest.skip(f"transformers has no {model_name.replace('ForCausalLM', 'ForSequenceClassification')}")
+        pytest.skip(f"transformers has no {classifier}")
     config = copy.deepcopy(build(arch).config)
     config.num_labels = 1
     torch.manual_seed(0)
@@ -154,7 +157,7 @@ def test_reward_scores_share_the_prompt_and_survive_expansion(arch):
         shared = sampling.completion_scores(model, p_ids, p_mask, c_ids, c_mask)  # (6,)
         alone = sampling.sequence_scores(model, whole_ids, whole_mask)
         torch.testing.assert_close(shared, alone, atol=1e-4, rtol=0)
-        layers = sampling.backbone(model).layers
+        layers = getattr(sampling.backbone(model), "layers", None) or sampling.backbone(model).h
         if not hasattr(layers[-1], "mlp") or not hasattr(layers[-1].mlp, "down_proj"):
             with pytest.raises(SystemExit, match="--expand_layers"):
                 reward.expand_layers(model, 1)

@@ -51,6 +51,17 @@ def test_pair_scores_match_scoring_each_sequence_alone(tiny_qwen):
                 assert alone.item() == pytest.approx(batched.item(), abs=1e-4)
     loss, m = reward.bradley_terry_loss(chosen, rejected)
     assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(chosen - rejected).mean().item(), rel=1e-6)
+    # a model whose config lists "." as a stop token (a chat model's end of turn): a response ending in
+    # it is scored there, with no EOS added, as the policy's completions end
+    dot = tok(" .", add_special_tokens=False)["input_ids"][-1]
+    model.config.eos_token_id = [tok.eos_token_id, dot]
+    with torch.no_grad():
+        chosen, _ = reward.pair_scores(model, tok, triples, A)
+        for i, (p, c, _) in enumerate(triples):
+            ids = tok(p + c, add_special_tokens=False)["input_ids"]
+            assert ids[-1] == dot
+            alone = sampling.sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+            assert alone.item() == pytest.approx(chosen[i].item(), abs=1e-4)
 
 
 def test_expanded_layers_start_as_the_trunk_train_and_load_as_saved(tmp_path, tiny_qwen):

@@ -382,6 +382,9 @@ def test_a_reward_model_without_a_generation_config_stops_at_its_configs_eos():
     rm = Qwen2ForSequenceClassification(cfg)
     assert getattr(rm, "generation_config", None) is None
     assert sampling.stop_token_ids(rm, tok) == sorted({tok.eos_token_id, 5, 6})
+    from types import SimpleNamespace
+
+    assert sampling.stop_token_ids(SimpleNamespace(), tok) == [tok.eos_token_id]  # a config that names no EOS
 
 
 def test_score_texts_renders_conversations_cuts_prompts_and_batches_like_one_at_a_time():
