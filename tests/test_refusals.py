@@ -161,6 +161,11 @@ CASES = [
         {"chosen": QA, "rejected": _chat(("user", "hi"), ("assistant", " "))}]), "prefs.jsonl"),
      "error: prefs.jsonl, row 1, column 'rejected': the last assistant message is empty; an empty response would be "
      "the end-of-turn token alone. Remove the row or fill it."),
+    ("pairs whose contents are lists of parts", lambda: data.preference_triples(Dataset.from_list([
+        {"chosen": _chat(("user", ["hi"]), ("assistant", ["bob"])),
+         "rejected": _chat(("user", ["hi"]), ("assistant", ["ca", "rol"]))}]), "prefs.jsonl"),
+     "error: prefs.jsonl, row 0, column 'chosen', message 0 (user): the content is list ['hi'], not text; "
+     "write each message's content as one string (join a list of parts into its text)."),
     ("an empty chosen turn", lambda: data.preference_triples(Dataset.from_list([
         {"chosen": _chat(("user", "hi"), ("assistant", "")), "rejected": QA}]), "prefs.jsonl"),
      "error: prefs.jsonl, row 0, column 'chosen': the last assistant message is empty; an empty response would be "
