@@ -554,6 +554,9 @@ def test_nan_mean_cis_leaves_out_none_and_equals_mean_cis_without_it():
     holes[:, ::3] = np.nan  # a function that returned None on every third prompt
     mean, lo, hi, seed_lo, seed_hi = ev.nan_mean_cis(holes, counts, run_counts, ones)
     assert mean == pytest.approx(np.nanmean(holes)) and lo < mean < hi and seed_lo <= mean <= seed_hi
+    # a function that applied to no completion: every number is NaN (reports show it as such), five of them
+    nothing = ev.nan_mean_cis(np.full((2, 30), np.nan), counts, run_counts, ones)
+    assert len(nothing) == 5 and all(isinstance(x, float) and np.isnan(x) for x in nothing)
 
 
 def test_each_reward_function_beside_the_weighted_sum_and_a_cached_subset(tiny_folders, monkeypatch, capsys):
