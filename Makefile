@@ -220,6 +220,13 @@ real-rg-seeds: install real-model tasks-env
 	OMP_NUM_THREADS=2 $(PYTHON) eval.py base=$(REAL_MODEL) grpo=$(subst $(space),$(comma),$(foreach s,$(RG_SEEDS),runs/rg/seed$(s)/grpo)) \
 	  $(RG_EVAL) --output_dir runs/rg/eval
 
+# HumanEval on the base model: greedy pass@1 and, from 10 samples a problem at temperature 0.8, pass@k
+# for k = 1, 2, 4, 8, 10, with CIs over problems (eval.py's own sampler; about 1.5 h of one core)
+.PHONY: real-humaneval
+real-humaneval: install real-model tasks-env
+	OMP_NUM_THREADS=1 $(PYTHON) eval.py base=$(REAL_MODEL) base_again=$(REAL_MODEL) --dataset humaneval --reward_fn humaneval \
+	  --max_completion_length 256 --temperature 0.8 --eval_batch_size 41 --num_samples 10 --output_dir runs/he/eval10
+
 # The seeds table (docs/results.md): demo-real and real-more for training seeds 0, 1 and 2 (runs/real,
 # runs/real_seed1, runs/real_seed2: GRPO's, online DPO's and PPO's prompts and sampling, the DPO pairs'
 # prompts and samples; the 300 test prompts stay the same); a seed's finished stages are kept. Then eval.py

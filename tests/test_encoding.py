@@ -191,3 +191,86 @@ def test_humaneval_by_name_is_its_164_problems_and_refuses_training_splits():
     assert len(test) == 164 and test["task_id"] == data.named_data("humaneval", "ignored", "rl", 3)["task_id"]
     with pytest.raises(SystemExit, match="holds 164 test problems without demonstrations or pairs"):
         data.named_data("humaneval", "ignored", "sft", 0)
+
+
+def test_chat_template_kwargs_reach_every_rendering(monkeypatch):
+    """--chat_template_kwargs (basics.CHAT_TEMPLATE_KWARGS) reach the prompt, the completion and each
+    turn, as TRL passes them: a template that reads one renders it everywhere."""
+    tok = chat_tokenizer()
+    tok.chat_template = "{% if thinking %}[think]{% endif %}" + tok.chat_template
+    monkeypatch.setattr(basics, "CHAT_TEMPLATE_KWARGS", {"thinking": True})
+    assert data.render_prompt(tok, [{"role": "user", "content": "say 3"}]).startswith("[think]")
+    completion = [{"role": "assistant", "content": "f 3"}]
+    head = tok.apply_chat_template([{"role": "user", "content": "say 3"}], tokenize=False, add_generation_prompt=True,
+                                   thinking=True)
+    full = tok.apply_chat_template([{"role": "user", "content": "say 3"}] + completion, tokenize=False, thinking=True)
+    assert data.render_completion(tok, "say 3", completion) == full[len(head):]
+    monkeypatch.setattr(basics, "CHAT_TEMPLATE_KWARGS", {})
+    tok.chat_template = "{% if thinking %}{% for m in messages %}{{ m['content'] }}{% endfor %}{% endif %}"
+    monkeypatch.setattr(basics, "CHAT_TEMPLATE_KWARGS", {"thinking": True})
+    assert data.render_turns(tok, "say 3", completion) == [("f 3", True)]
+
+
+def test_a_prompt_of_several_messages_and_a_tool_turn_before_the_last_answer():
+    """render_turns after a system + user prompt, with two tool turns between the assistant's: each
+    turn its own segment, the generation prompt in the masked text just before the next assistant
+    turn, and only there."""
+    tok = chat_tokenizer()
+    prompt = [{"role": "system", "content": "f"}, {"role": "user", "content": "say 3"}]
+    completion = [{"role": "assistant", "content": "f 3"}, {"role": "tool", "content": "3"}, {"role": "tool", "content": "3"},
+                  {"role": "assistant", "content": "3"}]
+    assert data.render_turns(tok, prompt, completion) == [(" f 3 <eos> ", True), ("<|tool|> 3 ", False),
+                                                          ("<|tool|> 3 <|assistant|>", False), (" 3 <eos> ", True)]
+    last = [{"role": "assistant", "content": "f 3"}, {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]
+    assert data.render_turns(tok, prompt, last) == [(" f 3 <eos> ", True), ("<|tool|> 3 <|assistant|>", False),
+                                                    (" 3 <eos> ", True)]
+
+
+def test_preference_pairs_without_a_prompt_split_before_the_last_turn():
+    """preference_triples without a prompt column: the prompt is every turn before the last, chosen
+    and rejected the last turn alone, in conversations of four messages."""
+    from datasets import Dataset
+
+    head = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bob"}, {"role": "user", "content": "again"}]
+    ds = Dataset.from_list([{"chosen": head + [{"role": "assistant", "content": "alice"}],
+                             "rejected": head + [{"role": "assistant", "content": "carol"}]}])
+    assert data.preference_triples(ds, "prefs.jsonl") == [(head, [{"role": "assistant", "content": "alice"}],
+                                                           [{"role": "assistant", "content": "carol"}])]
+    ds = Dataset.from_list([{"chosen": head + [{"role": "assistant", "content": "alice"}],
+                             "rejected": head[:2] + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "carol"}]}])
+    with pytest.raises(SystemExit, match="row 0: without a 'prompt' column, 'chosen' and 'rejected' must be conversations "
+                                         "that differ only in the last turn"):
+        data.preference_triples(ds, "prefs.jsonl")
+
+
+def test_tools_are_checked_only_when_given():
+    """check_renders_tools: no tools, or no chat template, is nothing to check (grpo.py calls it
+    without --tools too); a template that renders them passes."""
+    tok = chat_tokenizer()
+    data.check_renders_tools(tok, "say 3", None, "--tools")  # the chat template ignores tools, but none were given
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    tok.chat_template = "{% if tools %}[tools]{% endif %}" + tok.chat_template
+    data.check_renders_tools(tok, "say 3", tools, "--tools")
+    data.check_renders_tools(tok, [{"role": "user", "content": "say 3"}], tools, "--tools")
+
+
+def test_a_conversational_completion_trains_its_assistant_turns(tmp_path):
+    """check_text of a 'completion' column of messages: an empty assistant message before the last
+    one is refused, as in 'messages' (both are trained); in 'prompt' it is allowed."""
+    from datasets import Dataset
+
+    turns = [{"role": "assistant", "content": ""}, {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}], "completion": turns}])
+    with pytest.raises(SystemExit) as e:
+        data.check_text(ds, ["completion"], "sft.jsonl")
+    assert str(e.value.code) == ("error: sft.jsonl, row 0, column 'completion', message 0: an assistant message before the last "
+                                 "one is empty; it would train on the end-of-turn token alone. Remove the turn or fill it.")
+    data.check_text(Dataset.from_list([{"prompt": turns}]), ["prompt"], "sft.jsonl")
+
+
+def test_a_folder_of_jsonl_files_with_byte_order_marks_loads(tmp_path):
+    """A folder's JSONL files written with a byte-order mark (Windows editors): each first row is read
+    past it when the folder's columns are compared, and the folder loads."""
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "q", "completion": "a"}\n')
+    assert len(data.load_data(str(tmp_path))) == 2

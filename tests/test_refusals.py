@@ -362,13 +362,17 @@ def test_an_empty_assistant_turn_is_refused_only_where_it_would_be_trained():
             == "error: data.jsonl, row 0, column 'messages', message 1: an assistant message before the last one is "
                "empty; it would train on the end-of-turn token alone. Remove the turn or fill it.")
     data.check_messages(_chat(("user", "hi"), ("assistant", " ")), where, trained=True)  # the last one: check_text's
+    just_before_last = _chat(("user", "hi"), ("assistant", ""), ("user", "again"))
+    assert (_refusal(data.check_messages, just_before_last, where, trained=True)
+            == "error: data.jsonl, row 0, column 'messages', message 1: an assistant message before the last one is "
+               "empty; it would train on the end-of-turn token alone. Remove the turn or fill it.")
 
 
 def test_unreadable_text_is_refused_past_half_of_the_first_rows():
     tok = world.build_tokenizer()  # has whole words: a single letter (or the lone space 'Ġ') is a word it cannot read
     name = f"{type(tok).__name__}, {len(tok)} tokens"
     data.check_readable(tok, [" bob bob q"], None, "data.jsonl")  # 'Ġ', 'q': 2 of 4, exactly half
-    data.check_readable(tok, [" bob bob"] * 16 + [" q q q q"], None, "data.jsonl")  # the 17th row is not read
+    data.check_readable(tok, [" bob bob q"] * 16 + [" q q q q"], None, "data.jsonl")  # the 17th row is not read
     data.check_readable(tok, [""], None, "data.jsonl")  # no token: nothing to judge
     assert (_refusal(data.check_readable, tok, [" bob bob qq"], None, "data.jsonl")
             == "error: 3 of the 5 tokens of the first rows of data.jsonl are unknown or single letters to the "
