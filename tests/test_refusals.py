@@ -586,3 +586,46 @@ def test_a_judge_that_fails_on_its_side_is_tried_again_and_named_by_its_status(s
     with pytest.raises(judges.JudgeUnreachable) as e:
         _ask(url, retries=0)
     assert str(e.value) == f"{url}/chat/completions gave no answer in 1 try (HTTP 500 Internal Server Error)"
+
+
+# ------------------------------------------------------------------ the judges' own arithmetic and forms
+def test_the_judges_question_goes_through_its_chat_template_as_one_user_turn():
+    """judge_input with a chat template: the filled template as the user's one message, and the
+    generation prompt after it (the judge answers next); without a template, the text itself."""
+    tok = chat_tokenizer()
+    text = judges.fill_template(judges.JUDGE_TEMPLATE, "say 3", " 3 ", "4")
+    assert judges.judge_input(tok, "say 3", " 3 ", "4") == f"<|user|> {text} <|assistant|>"
+    assert judges.judge_input(world.build_tokenizer(), "say 3", " 3 ", "4") == text
+    assert text.endswith("Response A:\n3\n\nResponse B:\n4\n\nThe better response is")
+
+
+def test_log_probs_of_every_spelling_of_a_letter_add_up():
+    """answer_prob from top log-probs: "A" and " A" are the same verdict, their probabilities summed
+    (0.3 + 0.3 against 0.4: 0.6); without both letters among them, the answer text decides, 1 or 0."""
+    import math
+
+    tops = [{"token": "A", "logprob": math.log(0.3)}, {"token": " A", "logprob": math.log(0.3)},
+            {"token": "B", "logprob": math.log(0.4)}]
+    reply = {"choices": [{"message": {"content": "A"}, "logprobs": {"content": [{"top_logprobs": tops}]}}]}
+    assert judges.answer_prob(reply) == pytest.approx(0.6)
+    assert judges.answer_prob({"choices": [{"message": {"content": " A\n"}}]}) == 1.0
+    assert judges.answer_prob({"choices": [{"message": {"content": "B"}, "logprobs": []}]}) == 0.0
+
+
+def test_a_long_or_non_finite_reply_is_shown_cut_and_as_json():
+    """The reply a refusal shows: JSON (NaN written as NaN), cut to 200 characters; an answer that
+    is no verdict cut to 120."""
+    from rlhf import basics
+
+    long = "x" * 300
+    with pytest.raises(judges.JudgeBadAnswer) as e:
+        judges.answer_prob({"score": float("nan"), "nothing": long})
+    shown = basics.brief('{"score": NaN, "nothing": "' + long + '"}', 200)
+    assert str(e.value) == f"the reply {shown} holds no choices[0] object"
+    with pytest.raises(judges.JudgeBadAnswer) as e:
+        judges.answer_prob({"choices": [{"message": {"content": "A"}, "logprobs": {"content": [{"top_logprobs": [
+            {"token": "A", "logprob": float("nan")}, {"token": "B", "logprob": -1.0}]}]}}]})
+    assert str(e.value) == "the reply gives the verdict 'A' the log-prob nan, which is no probability"
+    with pytest.raises(judges.JudgeBadAnswer) as e:
+        judges.answer_prob({"choices": [{"message": {"content": long}}]})
+    assert len(str(e.value)) < 200 and str(e.value).startswith("the judge answered 'xxx")
