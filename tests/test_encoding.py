@@ -109,6 +109,8 @@ def test_turns_end_with_one_stop_token_trained_and_cut_alike():
     assert cut_ids[0].tolist() == alice + dot[:1] and cut_loss[0].tolist() == [1] * len(alice) + [0]
     c_ids, c_mask = data.encode_completions(tok, [" alice .", " alice"], max_length=len(alice) + 1, stop_ids=[eos, stop])
     assert c_ids[0].tolist() == alice + dot[:1] and c_ids[1].tolist() == alice + [eos]
+    c_ids, c_mask = data.encode_completions(tok, [" alice .", " alice"], max_length=len(alice), stop_ids=[eos, stop])
+    assert c_ids.tolist() == [alice, alice] and c_mask.tolist() == [[1] * len(alice)] * 2  # cut: the stop token is lost
 
 
 def test_examples_count_each_cut_and_keep_their_stop_tokens():
@@ -274,3 +276,32 @@ def test_a_folder_of_jsonl_files_with_byte_order_marks_loads(tmp_path):
     for name in ("a.jsonl", "b.jsonl"):
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "q", "completion": "a"}\n')
     assert len(data.load_data(str(tmp_path))) == 2
+
+
+def test_more_examples_than_one_chunk_of_1024_are_each_counted_once():
+    """count_truncated and encode_examples work through 1024 texts at a time: 1030 of them are each
+    encoded and counted once, in order."""
+    tok = chat_tokenizer()
+    prompts = [" alice bought the bike"] * 1029 + [" bob"]
+    assert data.count_truncated(tok, prompts, 2) == 1029
+    turns = [[(" alice", True)]] * 1030
+    ids, masks, cut = data.encode_examples(tok, prompts, turns, 100)
+    assert cut == 0 and len(ids) == 1030 and ids[-1] == (tok(" bob")["input_ids"] + tok(" alice", add_special_tokens=False)["input_ids"]
+                                                         + [tok.eos_token_id])
+    assert ids[1023] == ids[1024] == ids[0]
+
+
+def test_a_character_level_tokenizer_reads_its_own_letters_and_bos_is_not_counted():
+    """check_readable: single letters are unreadable only to a tokenizer that has whole words; a
+    character-level one reads text as letters. The tokens judged are the text's own (no BOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    letters = {"<unk>": 0, **{c: i + 1 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")}}
+    raw = Tokenizer(models.BPE(letters, [], unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    chars = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    data.check_readable(chars, ["bob bought the bike"], None, "data.jsonl")  # every token a single letter: its words
+    tok, _ = _bos_tokenizer()
+    with pytest.raises(SystemExit, match="3 of the 5 tokens"):  # 'Ġ', 'q', 'q' of Ġbob Ġbob Ġ q q, BOS not among them
+        data.check_readable(tok, [" bob bob qq"], None, "data.jsonl")

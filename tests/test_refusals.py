@@ -629,3 +629,34 @@ def test_a_long_or_non_finite_reply_is_shown_cut_and_as_json():
     with pytest.raises(judges.JudgeBadAnswer) as e:
         judges.answer_prob({"choices": [{"message": {"content": long}}]})
     assert len(str(e.value)) < 200 and str(e.value).startswith("the judge answered 'xxx")
+
+
+def test_json_and_parquet_files_load_as_one_table_and_missing_ones_are_named(tmp_path):
+    """A .json file (JSON lines) and a .parquet file load as a Dataset of their rows; a missing
+    .json or .parquet file is named as a missing file before anything else is tried."""
+    path = tmp_path / "data.json"
+    path.write_text('{"prompt": "q"}\n{"prompt": "r"}\n')
+    loaded = data.load_data(str(path))
+    assert isinstance(loaded, Dataset) and loaded["prompt"] == ["q", "r"]
+    parquet = data.load_data(_parquet(tmp_path / "data.parquet", {"prompt": ["q", "r", "s"]}))
+    assert isinstance(parquet, Dataset) and parquet["prompt"] == ["q", "r", "s"]
+    for name in ("gone.json", "gone.parquet"):
+        missing = str(tmp_path / name)
+        assert _refusal(data.load_data, missing) == f"error: dataset file {missing} does not exist."
+
+
+@pytest.mark.parametrize("spec, hub", [("org/name", True), ("name", True), ("a/b/c", False), ("/nope", False),
+                                       ("~nope", False), ("./nope", False)])
+def test_a_name_that_is_no_path_is_asked_of_the_hub_and_a_path_is_named(spec, hub, monkeypatch):
+    """load_data of something that does not exist: a Hub-shaped name (at most one '/', not starting
+    with '.', '/' or '~') is asked of the Hub, whose refusal names it; any other is a missing path."""
+    import huggingface_hub
+
+    def offline(self, name, timeout):
+        raise RuntimeError(f"offline: {name}")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", offline)
+    expected = (f"error: {spec} is not a local file or folder and the Hugging Face Hub cannot provide it (RuntimeError: "
+                f"offline: {spec}); check the path (relative to {os.getcwd()}), or download it while online."
+                if hub else f"error: dataset {spec} does not exist.")
+    assert _refusal(data.load_data, spec) == expected
