@@ -329,9 +329,6 @@ def sft_pairs(ds, spec):
             if not is_conversational(msgs) or msgs[-1]["role"] != "assistant" or first < 1:
                 basics.fail(f"{dataset_name(spec)}, row {i}, column 'messages': must end with an assistant turn, and have "
                      "at least one other turn before its first assistant turn.")
-            if not str(msgs[-1]["content"]).strip():
-                basics.fail(f"{dataset_name(spec)}, row {i}, column 'messages': the last assistant message is empty; "
-                     "an empty response would train on the end-of-turn token alone. Remove the row or fill it.")
             pairs.append((msgs[:first], msgs[first:]))
         return pairs
     if "text" in ds.column_names and "completion" not in ds.column_names:

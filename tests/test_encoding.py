@@ -305,3 +305,54 @@ def test_a_character_level_tokenizer_reads_its_own_letters_and_bos_is_not_counte
     tok, _ = _bos_tokenizer()
     with pytest.raises(SystemExit, match="3 of the 5 tokens"):  # 'Ġ', 'q', 'q' of Ġbob Ġbob Ġ q q, BOS not among them
         data.check_readable(tok, [" bob bob qq"], None, "data.jsonl")
+
+
+def test_truncation_counts_count_prompts_and_responses_apart_and_say_so(capsys):
+    """truncation_counts: prompts longer than --max_prompt_length and responses longer than
+    --max_completion_length (encoded with the given stop tokens: one already ending in one gets no
+    EOS), counted apart and printed in one line; sampled responses (None) count nothing."""
+    from types import SimpleNamespace
+
+    tok = chat_tokenizer()
+    eos = tok.eos_token_id
+    dot = tok(" .", add_special_tokens=False)["input_ids"][-1]
+    args = SimpleNamespace(max_prompt_length=2, max_completion_length=2)
+    prompts = [" alice bought the bike", " bob", " alice bought"]
+    responses = [" alice .", " alice bought .", " bob"]  # 2 (ends in "."), 3, 1 + EOS tokens
+    counts = data.truncation_counts(tok, prompts, responses, args, "sft", [eos, dot])
+    assert counts == {"prompts_truncated": 1, "completions_truncated": 1}
+    assert capsys.readouterr().out == ("sft: 1 of 3 prompts are longer than --max_prompt_length 2 and keep their last "
+                                       "tokens; 1 of 3 responses are longer than --max_completion_length 2 and are cut "
+                                       "(their EOS is not seen)\n")
+    assert data.truncation_counts(tok, prompts, responses, args, "sft", [eos])["completions_truncated"] == 2
+    capsys.readouterr()
+    assert data.truncation_counts(tok, prompts, None, args, "grpo") == {"prompts_truncated": 1, "completions_truncated": 0}
+    assert capsys.readouterr().out == ("grpo: 1 of 3 prompts are longer than --max_prompt_length 2 and keep their last "
+                                       "tokens\n")
+    assert data.truncation_counts(tok, [" bob"], None, args, "grpo") == {"prompts_truncated": 0, "completions_truncated": 0}
+    assert capsys.readouterr().out == ""
+
+
+def test_sft_formats_beside_a_text_column_and_their_refusals_name_the_data():
+    """sft_pairs: a 'text' column beside prompt + completion is not the language-modelling format;
+    an empty completion is refused naming the dataset, row and column."""
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"text": "x", "prompt": " alice", "completion": " bob"}])
+    assert data.sft_pairs(ds, "sft.jsonl") == [(" alice", " bob")]
+    with pytest.raises(SystemExit) as e:
+        data.sft_pairs(Dataset.from_list([{"prompt": " alice", "completion": " "}]), "sft.jsonl")
+    assert str(e.value.code) == ("error: sft.jsonl, row 0, column 'completion': expected non-empty text or a list of "
+                                 "{role, content} messages, got ' '.")
+
+
+def test_an_empty_last_turn_of_a_long_pair_is_named():
+    from datasets import Dataset
+
+    head = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bob"}, {"role": "user", "content": "again"}]
+    ds = Dataset.from_list([{"chosen": head + [{"role": "assistant", "content": "alice"}],
+                             "rejected": head + [{"role": "assistant", "content": " "}]}])
+    with pytest.raises(SystemExit) as e:
+        data.preference_triples(ds, "prefs.jsonl")
+    assert str(e.value.code) == ("error: prefs.jsonl, row 0, column 'rejected': the last assistant message is empty; an empty "
+                                 "response would be the end-of-turn token alone. Remove the row or fill it.")
