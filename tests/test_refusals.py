@@ -493,7 +493,7 @@ def serve(monkeypatch):
                 pass
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 handle(self)
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -660,3 +660,66 @@ def test_a_name_that_is_no_path_is_asked_of_the_hub_and_a_path_is_named(spec, hu
                 f"offline: {spec}); check the path (relative to {os.getcwd()}), or download it while online."
                 if hub else f"error: dataset {spec} does not exist.")
     assert _refusal(data.load_data, spec) == expected
+
+
+def test_what_the_http_judge_sends_and_when_it_tries_again(serve, monkeypatch):
+    """The request: one user message holding the filled template, one token at temperature 0 with
+    the top 5 log-probs, JSON, and the key from --judge_api_key_env as a bearer token (none without
+    it). A 400 is refused at once; 408 and 429 are tried again, after 0.5, 1, 2 ... seconds, at most 8."""
+    import math
+
+    seen = []
+
+    def record(h):
+        seen.append((h.path, dict(h.headers), json.loads(h.body)))
+        tops = [{"token": "A", "logprob": math.log(0.75)}, {"token": "B", "logprob": math.log(0.25)}]
+        _reply(200, json.dumps({"choices": [{"message": {"content": "A"}, "logprobs": {"content": [
+            {"top_logprobs": tops}]}}]}).encode())(h)
+
+    url = serve(record)
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    args = types.SimpleNamespace(judge_base_url=url + "/", judge_api_key_env="JUDGE_KEY", judge_timeout=5.0,
+                                 judge_max_retries=0)
+    assert judges.http_first_better("judge-model", args, judges.JUDGE_TEMPLATE, ["q"], ["a"], ["b"]).tolist() == [pytest.approx(0.75)]
+    path, headers, body = seen[-1]
+    assert path == "/v1/chat/completions"
+    assert headers["Content-Type"] == "application/json" and headers["Authorization"] == "Bearer secret"
+    assert body == {"model": "judge-model", "messages": [{"role": "user", "content": judges.fill_template(
+        judges.JUDGE_TEMPLATE, "q", "a", "b")}], "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 5}
+    for env in ("", "UNSET_JUDGE_KEY"):
+        judges.http_first_better("judge-model", types.SimpleNamespace(**{**vars(args), "judge_api_key_env": env}),
+                                 judges.JUDGE_TEMPLATE, ["q"], ["a"], ["b"])
+        assert "Authorization" not in seen[-1][1]
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    with pytest.raises(judges.JudgeUnreachable) as e:
+        _ask(serve(_reply(400)), retries=3)
+    assert str(e.value).endswith("refused the request (HTTP 400 Bad Request)") and slept == []
+    for status, reason in ((408, "Request Timeout"), (429, "Too Many Requests")):
+        slept.clear()
+        with pytest.raises(judges.JudgeUnreachable) as e:
+            _ask(serve(_reply(status)), retries=6)
+        assert str(e.value).endswith(f"gave no answer in 7 tries (HTTP {status} {reason})")
+        assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]  # doubling, at most 8 s
+
+
+def test_the_llm_judge_reads_both_spellings_of_each_letter_and_asks_with_the_given_template(monkeypatch):
+    """answer_token_ids: "A" and " A" when each is one token of the vocabulary; llm_judge asks
+    prob_first_better with the caller's template and batch size, in both orders."""
+    import numpy as np
+    from tokenizers import AddedToken
+
+    tok = chat_tokenizer()
+    tok.add_tokens([AddedToken("A", normalized=False), AddedToken(" A", normalized=False)])
+    ids = judges.answer_token_ids(tok, "A")
+    assert ids == sorted(tok.convert_tokens_to_ids(["A", " A"])) and len(set(ids)) == 2
+    asked = []
+
+    def first_better(model, tokenizer, prompts, firsts, seconds, batch_size, template):
+        asked.append((firsts, seconds, batch_size, template))
+        return np.array([0.8 if firsts == ["a"] else 0.4])
+
+    monkeypatch.setattr(judges, "prob_first_better", first_better)
+    assert judges.llm_judge(None, tok, ["q"], ["a"], ["b"], batch_size=3, template="T {prompt} {a} {b}").tolist() == [0.7]
+    assert asked == [(["a"], ["b"], 3, "T {prompt} {a} {b}"), (["b"], ["a"], 3, "T {prompt} {a} {b}")]
