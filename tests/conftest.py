@@ -38,6 +38,18 @@ def chat_tokenizer():
     return tok
 
 
+def bos_tokenizer():
+    """The chat tokenizer, adding <bos> in front of every encoded text, as Llama's and Gemma's do."""
+    from tokenizers import processors
+
+    tok = chat_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    bos = tok.convert_tokens_to_ids("<bos>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert tok("alice")["input_ids"][0] == bos and tok("alice", add_special_tokens=False)["input_ids"][0] != bos
+    return tok, bos
+
+
 def uniform_words_model(path):
     """A tiny Llama with the chat tokenizer that samples every token uniformly and stops with
     probability ~0.2 per token (so completions vary in length and many end with EOS); greedy

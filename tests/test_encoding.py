@@ -4,22 +4,11 @@ already end in a stop token, cut and packed examples, and the worlds' splits by 
 
 import pytest
 import torch
+from conftest import bos_tokenizer
 from conftest import chat_tokenizer
 
 from rlhf import basics
 from rlhf import data
-
-
-def _bos_tokenizer():
-    """The chat tokenizer, adding <bos> in front of every encoded text, as Llama's and Gemma's do."""
-    from tokenizers import processors
-
-    tok = chat_tokenizer()
-    tok.add_special_tokens({"bos_token": "<bos>"})
-    bos = tok.convert_tokens_to_ids("<bos>")
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
-    assert tok("alice")["input_ids"][0] == bos and tok("alice", add_special_tokens=False)["input_ids"][0] != bos
-    return tok, bos
 
 
 def test_each_turn_is_trained_or_masked_and_the_turns_join_to_the_completion():
@@ -65,7 +54,7 @@ def test_tools_reach_every_turn_of_the_template():
 def test_prompts_get_bos_once_and_completions_never():
     """encode_prompts adds the tokenizer's BOS unless the text already starts with it;
     encode_completions and encode_turns add none (a completion continues the prompt)."""
-    tok, bos = _bos_tokenizer()
+    tok, bos = bos_tokenizer()
     ids, mask = data.encode_prompts(tok, ["alice bought", "<bos>alice bought"])
     assert ids.dtype == mask.dtype == torch.long
     assert ids[0].tolist() == ids[1].tolist() and ids[0, 0] == bos and (ids[0] == bos).sum() == 1
@@ -302,7 +291,7 @@ def test_a_character_level_tokenizer_reads_its_own_letters_and_bos_is_not_counte
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     chars = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
     data.check_readable(chars, ["bob bought the bike"], None, "data.jsonl")  # every token a single letter: its words
-    tok, _ = _bos_tokenizer()
+    tok, _ = bos_tokenizer()
     with pytest.raises(SystemExit, match="3 of the 5 tokens"):  # 'Ġ', 'q', 'q' of Ġbob Ġbob Ġ q q, BOS not among them
         data.check_readable(tok, [" bob bob qq"], None, "data.jsonl")
 

@@ -225,3 +225,151 @@ def test_a_proxy_login_reaches_the_connect_tunnel(monkeypatch):
         assert seen == [("judge.example:443", "Basic " + base64.b64encode(b"ann:p@ss").decode(), None)]
     finally:
         server.shutdown()
+
+
+def test_a_base_url_with_a_query_string_keeps_it_after_the_path():
+    """Azure-style base URLs carry ?api-version=: /chat/completions goes into the path, the query
+    stays last (and reaches the server), with or without a trailing slash."""
+    url, seen, stop = serve(reply_with({"choices": [{"message": {"content": "A"}}]}))
+    try:
+        assert ask(url + "?api-version=2024-06-01").tolist() == [1.0]
+        assert ask(url + "/?api-version=2024-06-01").tolist() == [1.0]
+        assert [path for path, _ in seen] == ["/v1/chat/completions?api-version=2024-06-01"] * 2
+    finally:
+        stop()
+
+
+def _no_proxy_variables(monkeypatch):
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_proxy_without_a_scheme_or_a_password_is_read_as_urllib_reads_it(monkeypatch):
+    """HTTP_PROXY=host:port is http://host:port; user@host has the login "user:" (no password)."""
+    logins = []
+    answer = reply_with({"choices": [{"message": {"content": "B"}}]})
+    proxy, seen, stop = serve(lambda h: logins.append(h.headers.get("Proxy-Authorization")) or answer(h))
+    _no_proxy_variables(monkeypatch)
+    try:
+        monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0].replace("http://", ""))
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0].replace("http://", "http://ann@"))
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        assert [path for path, _ in seen] == ["http://judge.example/v1/chat/completions"] * 2
+        assert logins == [None, "Basic " + base64.b64encode(b"ann:").decode()]
+    finally:
+        stop()
+
+
+def test_a_host_in_no_proxy_is_asked_directly_and_another_is_not(monkeypatch):
+    """no_proxy names the hosts asked without the proxy: the judge at 127.0.0.1 is reached directly
+    (the proxy's port is closed), and a judge at another host still goes through the proxy."""
+    url, seen, stop = serve(reply_with({"choices": [{"message": {"content": "A"}}]}))
+    proxy, proxy_seen, stop_proxy = serve(reply_with({"choices": [{"message": {"content": "B"}}]}))
+    _no_proxy_variables(monkeypatch)
+    monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0])
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    try:
+        assert ask(url).tolist() == [1.0]
+        assert ask("http://judge.example/v1").tolist() == [0.0]
+        assert [path for path, _ in seen] == ["/v1/chat/completions"]
+        assert [path for path, _ in proxy_seen] == ["http://judge.example/v1/chat/completions"]
+    finally:
+        stop()
+        stop_proxy()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_proxy_without_a_port_is_asked_on_port_80(monkeypatch, scheme):
+    """http://proxy (no port), as urllib: the proxy's connection goes to port 80, for a plain
+    request and for a CONNECT tunnel alike; the tunnel goes to the judge's own port."""
+    import http.client
+
+    opened = []
+
+    class Connection:
+        def __init__(self, host, port=None, timeout=None):
+            opened.append((host, port))
+
+        def set_tunnel(self, host, port=None, headers=None):
+            opened.append(("tunnel", host, port))
+
+        def connect(self):
+            raise ConnectionRefusedError("refused")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(http.client, "HTTPConnection", Connection)
+    monkeypatch.setattr(http.client, "HTTPSConnection", Connection)
+    _no_proxy_variables(monkeypatch)
+    monkeypatch.setenv(f"{scheme}_proxy", "http://proxy.example")
+    with pytest.raises(OSError, match="^ConnectionRefusedError: refused$"):
+        judges.post_json(f"{scheme}://judge.example:8443/v1/chat/completions", b"{}", {}, 5)
+    assert opened == [("proxy.example", 80)] + ([("tunnel", "judge.example", 8443)] if scheme == "https" else [])
+
+
+@pytest.mark.parametrize("status", [300, 399])
+def test_every_3xx_is_a_redirect_and_one_without_location_says_so(status):
+    """300 <= status < 400 is refused as a redirect; without a Location header the sentence has "?"."""
+    def redirect(h):
+        h.send_response(status)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, seen, stop = serve(redirect)
+    try:
+        with pytest.raises(judges.JudgeUnreachable) as e:
+            ask(url, retries=2)
+        assert str(e.value) == (f"{url}/chat/completions redirected the request to ?, which the judge does not follow "
+                                "(the API key would go there): pass the final URL as --judge_base_url")
+        assert len(seen) == 1
+    finally:
+        stop()
+
+
+def _words(first, n=150):
+    """A text of one-letter words after `first`: where basics.brief cuts it moves with each
+    character of its limit, so a sentence cut at another length is not the same sentence."""
+    return first + " " + " ".join("a" * n)
+
+
+def test_long_texts_are_cut_at_their_stated_lengths():
+    """A redirect's Location is cut at 120 characters, a reply of the wrong shape at 200, an
+    answer that is not a verdict at 120 (of its repr)."""
+    from rlhf import basics
+
+    def differs(text, limit):  # the test's text tells limit from limit + 1
+        assert basics.brief(text, limit) != basics.brief(text, limit + 1)
+        return basics.brief(text, limit)
+
+    location = "http://other.example/" + _words("xy")
+
+    def redirect(h):
+        h.send_response(302)
+        h.send_header("Location", location)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, _, stop = serve(redirect)
+    try:
+        with pytest.raises(judges.JudgeUnreachable) as e:
+            ask(url)
+        assert str(e.value).startswith(f"{url}/chat/completions redirected the request to {differs(location, 120)}, which")
+    finally:
+        stop()
+    shape = {"xy": _words("a")}
+    with pytest.raises(judges.JudgeBadAnswer) as e:
+        judges.answer_prob(shape)
+    assert str(e.value) == f"the reply {differs(json.dumps(shape), 200)} holds no choices[0] object"
+    text = _words("bb")
+    with pytest.raises(judges.JudgeBadAnswer) as e:
+        judges.answer_prob({"choices": [{"message": {"content": text}}]})
+    assert str(e.value) == f"the judge answered {differs(repr(text), 120)}, which is not a verdict (exactly A or B)"
+
+
+@pytest.mark.parametrize("logprobs", [[1], {"content": ["A"]}, {"content": [{"top_logprobs": "A"}]}, {"content": []}])
+def test_log_probs_of_another_shape_fall_back_to_the_answer(logprobs):
+    """logprobs, its content or its top_logprobs of another shape than OpenAI's: the answer's letter decides."""
+    reply = {"choices": [{"message": {"content": " B"}, "logprobs": logprobs}]}
+    assert judges.answer_prob(reply) == 0.0

@@ -20,6 +20,7 @@ import time
 import types
 
 import pytest
+from conftest import bos_tokenizer
 from conftest import chat_tokenizer
 from datasets import Dataset
 
@@ -714,6 +715,9 @@ def test_the_llm_judge_reads_both_spellings_of_each_letter_and_asks_with_the_giv
     tok.add_tokens([AddedToken("A", normalized=False), AddedToken(" A", normalized=False)])
     ids = judges.answer_token_ids(tok, "A")
     assert ids == sorted(tok.convert_tokens_to_ids(["A", " A"])) and len(set(ids)) == 2
+    bos_tok, _ = bos_tokenizer()  # a tokenizer that puts BOS before every text: the letters are still one token each
+    bos_tok.add_tokens([AddedToken("A", normalized=False), AddedToken(" A", normalized=False)])
+    assert judges.answer_token_ids(bos_tok, "A") == sorted(bos_tok.convert_tokens_to_ids(["A", " A"]))
     asked = []
 
     def first_better(model, tokenizer, prompts, firsts, seconds, batch_size, template):

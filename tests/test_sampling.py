@@ -416,3 +416,67 @@ def test_score_texts_renders_conversations_cuts_prompts_and_batches_like_one_at_
         assert scores[i].item() == pytest.approx(alone.item(), abs=1e-5), i
     uncut = sampling.score_texts(rm, tok, prompts, completions, batch_size=3)
     assert not torch.allclose(uncut, scores)  # the cut changed what the model read
+
+
+def test_log_prob_and_score_forwards_build_no_cache_and_the_head_is_recomputed_in_backward(monkeypatch):
+    """Memory: a forward whose key/value cache nothing reads builds none (the body returns no
+    past_key_values) -- the log-probs of one completion a prompt, packed rows and a reward
+    model's scores; the shared-prompt pass builds one, which it reads. With gradients the head
+    runs once per chunk forward and once more in backward (its fp32 logits are recomputed, not
+    kept); without gradients once."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=32, num_layers=1)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    caches = []
+    for m in (model, rm):
+        sampling.backbone(m).register_forward_hook(lambda mod, args, out: caches.append(out.past_key_values is not None))
+    p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob .\nTL;DR:"])
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " bob ."])
+    heads = []
+    real_head = sampling._head_logprobs
+    monkeypatch.setattr(sampling, "_head_logprobs", lambda *a: heads.append(a[2].shape[0]) or real_head(*a))
+    lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_tokens=4)
+    n = int(c_mask.sum())
+    assert caches == [False] and heads == [4] * (n // 4) + [n % 4] * (n % 4 > 0)
+    heads.clear()
+    lp.sum().backward()
+    assert heads == [4] * (n // 4) + [n % 4] * (n % 4 > 0)  # each chunk once more
+    heads.clear()
+    with torch.no_grad():
+        sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_tokens=100)
+    assert heads == [n]
+    caches.clear()
+    with torch.no_grad():
+        sampling.completion_logprobs(model, p_ids[:1], p_mask[:1], c_ids, c_mask)  # two completions of one prompt
+        sampling.packed_logprobs(model, c_ids, sampling.position_ids(c_mask), c_mask)
+        sampling.sequence_scores(rm, c_ids, c_mask)
+    assert caches == [True, True, False, False]
+
+
+def test_the_filters_and_the_noise_default_to_leaving_things_as_they_are():
+    """Defaults: processed_logits with none of its knobs (or a seen-token set and no penalty) is
+    the logits themselves; _next_token, sampling_noise and token_logprobs with their defaults equal
+    the calls that spell them out."""
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    seen = torch.rand(3, 11, generator=torch.Generator().manual_seed(1)) < 0.5
+    assert torch.equal(sampling.processed_logits(logits), logits)
+    assert torch.equal(sampling.processed_logits(logits, seen=seen), logits)
+    noise = torch.rand(3, 11, generator=torch.Generator().manual_seed(2))
+    expected = sampling._next_token(logits, 0.7, 1.0, 0, True, 0.0, 1.0, seen, noise)
+    assert torch.equal(sampling._next_token(logits, 0.7, 1.0, 0, True, seen=seen, noise=noise), expected)
+    assert torch.equal(sampling._next_token(logits, 1.0, 1.0, 0, False, seen=seen),
+                       sampling._next_token(logits, 1.0, 1.0, 0, False, 0.0, 1.0, seen))
+    g = torch.Generator()
+    assert torch.equal(sampling.sampling_noise((2, 5), "cpu", g, seed=3), sampling.sampling_noise((2, 5), "cpu", g, 3, 0, 0))
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=16, num_layers=1)
+    hidden = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, len(tok), (2, 4), generator=torch.Generator().manual_seed(4))
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    with torch.no_grad():
+        plain = sampling.token_logprobs(model, hidden, labels, keep)
+        assert torch.equal(plain, sampling.token_logprobs(model, hidden, labels, keep, 1.0, False, None))

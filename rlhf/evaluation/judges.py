@@ -270,8 +270,10 @@ def http_first_better(model_name, args, template, prompts, firsts, seconds):
     import concurrent.futures
     import time
     import urllib.error
+    import urllib.parse
 
-    url = args.judge_base_url.rstrip("/") + "/chat/completions"
+    base = urllib.parse.urlsplit(args.judge_base_url)  # a query (Azure's ?api-version=) stays after the path
+    url = base._replace(path=base.path.rstrip("/") + "/chat/completions").geturl()
     key = os.environ.get(args.judge_api_key_env, "") if args.judge_api_key_env else ""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
