@@ -352,7 +352,8 @@ def check_choice(flag, value, choices):
 
 # ============================================================================ optimizer
 def make_optimizer(model, args):
-    """AdamW over the trainable parameters: bitsandbytes 8-bit (the default on CUDA) or torch's.
+    """AdamW over the trainable parameters: bitsandbytes 8-bit (the default on CUDA) or torch's fused
+    one (TRL's `adamw_torch_fused`).
 
     bf16 weights: a step that is smaller than half a bf16 ulp (lr 1e-6 on a weight of 1 is 1e-6,
     the ulp is 8e-3) rounds to nothing with round-to-nearest. `optimizer_step` therefore runs the
@@ -367,8 +368,9 @@ def make_optimizer(model, args):
         import bitsandbytes as bnb
 
         optimizer = bnb.optim.AdamW8bit(params, **kw)
-    else:
-        optimizer = torch.optim.AdamW(params, **kw)
+    else:  # fused: one kernel a step over all tensors (transformers' default optim with torch >= 2.8), 5x faster on a
+        # CPU; FSDP2's sharded parameters step with torch's default (its fused kernel refuses their step counters)
+        optimizer = torch.optim.AdamW(params, fused=not any(parallel.is_sharded_param(p) for p in params), **kw)
     optimizer.param_groups[0]["rounding_seed"] = getattr(args, "seed", 0)  # see rounding_generator
     return optimizer
 

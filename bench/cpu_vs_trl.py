@@ -10,7 +10,7 @@ world's tokenizer, on the same rows of the embedded world written to .jsonl file
         (ours: log-probs precomputed before training; TRL: a frozen reference model forward).
 - GRPO: 2 prompts x 8 generations, 32 new tokens, temperature 1, beta 0.04, loss_type grpo, one optimizer
         step per rollout, the gold judge as the reward function.
-All: torch AdamW (lr 1e-5, no weight decay, constant schedule, clip 1.0), fp32, no checkpoints,
+All: torch's fused AdamW (ours --optim adamw, TRL's adamw_torch_fused; lr 1e-5, no weight decay, constant schedule, clip 1.0), fp32, no checkpoints,
 no evaluation. Steady state: each configuration runs twice, with --short and --long steps, and
 the difference of the two times over the difference of steps cancels start-up (imports,
 loading, tokenising, precomputing) and the final save. Two clocks: wall-clock, and CPU time
@@ -28,8 +28,7 @@ Run (TRL lives in its own venv so it never changes the project's environment):
     python -m venv --system-site-packages .venv-bench
     .venv-bench/bin/pip install -r bench/requirements.txt
     OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --trl_python .venv-bench/bin/python
-    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos grpo --short 2 --long 6
-    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct --algos dpo --short 2 --long 10
+    OMP_NUM_THREADS=1 python bench/cpu_vs_trl.py --model models/SmolLM2-135M-Instruct     # GRPO 2 and 6 steps, DPO and SFT 2 and 10
 """
 
 import argparse
@@ -53,6 +52,7 @@ REAL_BATCHES = {"sft": 2, "dpo": 2, "grpo": 1}  # --model: micro-batches a real 
 # --model: rows of each dataset. Our DPO's start-up scores every pair with the reference once; over 256
 # pairs that was ~100 s of CPU on SmolLM2-135M, whose noise swamped 4 steps of 2-5 s in the difference
 REAL_ROWS = 32
+REAL_LONG = {"grpo": 6, "dpo": 10, "sft": 10}  # --model: steps of the long run (each a few CPU-seconds)
 # gradient_accumulation_steps 1 as TRL's side: grpo.py's default for a pretrained model (anything but the
 # embedded policy, this tiny Llama too) is 8 micro-batches a step
 COMMON = dict(learning_rate=1e-5, optim="adamw", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
@@ -122,7 +122,7 @@ def trl_trainer(algo, model_dir, data, out, s):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     ds = load_dataset("json", data_files=data, split="train")
-    kw = dict(output_dir=out, max_steps=s["max_steps"], learning_rate=s["learning_rate"], optim="adamw_torch",
+    kw = dict(output_dir=out, max_steps=s["max_steps"], learning_rate=s["learning_rate"], optim="adamw_torch_fused",
               lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
               logging_steps=s["logging_steps"], save_strategy="no", report_to="none", use_cpu=True, bf16=False,
               seed=s["seed"], gradient_accumulation_steps=1, dataloader_num_workers=0, disable_tqdm=True)
@@ -164,7 +164,7 @@ def main():
     parser.add_argument("--trl_python", default=".venv-bench/bin/python", help="Python of the venv that has TRL.")
     parser.add_argument("--algos", default="grpo,dpo,sft", help="Comma-separated: sft, dpo, grpo.")
     parser.add_argument("--short", type=int, default=2, help="Steps of the short run.")
-    parser.add_argument("--long", type=int, default=0, help="Steps of the long run (default: 12 for GRPO, 32 for DPO and SFT, whose steps are shorter).")
+    parser.add_argument("--long", type=int, default=0, help="Steps of the long run (default: 12 for GRPO, 32 for DPO and SFT, whose steps are shorter; with --model REAL_LONG: 6, 10, 10).")
     parser.add_argument("--model", default="", help="A model folder to time instead of the tiny Llama (e.g. models/SmolLM2-135M-Instruct); batches from REAL_BATCHES.")
     parser.add_argument("--workdir", default="/tmp/bench_cpu", help="Model, data, logs and run folders.")
     parser.add_argument("--output", default="", help="Results JSON (default: bench/results_cpu.json, with --model bench/results_cpu_<its folder name>.json).")
@@ -185,13 +185,16 @@ def main():
         model_dir = os.path.abspath(cli.model)
     env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": ROOT}
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    load_before = os.getloadavg()
+    print(f"commit {commit}, load {load_before[0]:.1f} before the first run", flush=True)
     results = {}
     if os.path.exists(cli.output):  # keep the other algorithms' results when re-running one
         with open(cli.output) as f:
             results = json.load(f)
     for algo in cli.algos.split(","):
         data = os.path.join(cli.workdir, f"{algo}.jsonl")
-        long = cli.long or {"grpo": 12, "dpo": 32, "sft": 32}[algo]
+        long = cli.long or (REAL_LONG if real else {"grpo": 12, "dpo": 32, "sft": 32})[algo]
         sides = cli.only.split(",")
         wall, cpu = {side: {} for side in sides}, {side: {} for side in sides}
         for steps in (cli.short, long):  # interleaved: ours, TRL's, ours, TRL's, so both see the same load
@@ -217,8 +220,9 @@ def main():
                 results[algo][f"{kind}_ratio"] = results[algo]["ours"][key] / results[algo]["trl"][key]
         print(f"{algo}: {json.dumps(results[algo])}", flush=True)
     results["settings"] = {"common": COMMON, **{a: settings(a, real) for a in SETTINGS}, "model": cli.model or "tiny Llama",
-                           "short": cli.short, "long": cli.long or "12 GRPO, 32 DPO/SFT",
-                           "threads": env["OMP_NUM_THREADS"], "nproc": os.cpu_count(), "load_after": os.getloadavg()}
+                           "short": cli.short, "long": cli.long or (REAL_LONG if real else "12 GRPO, 32 DPO/SFT"),
+                           "threads": env["OMP_NUM_THREADS"], "nproc": os.cpu_count(), "commit": commit,
+                           "load_before": load_before, "load_after": os.getloadavg()}
     with open(cli.output, "w") as f:
         json.dump(results, f, indent=2)
     print(f"{'algo':5} {'ours CPU s/step':>15} {'TRL CPU s/step':>14} {'ratio':>6} {'ours wall':>10} {'TRL wall':>9} {'ratio':>6}")

@@ -7,7 +7,7 @@ bound each phase is nearest: the machine's arithmetic peak or its memory bandwid
 The batches are bench/cpu_vs_trl.py's real-model ones: GRPO 1 prompt x 8 completions x 32 new
 tokens, DPO 2 pairs, on the embedded world's prompts and summaries. Each phase runs the project's
 own functions (sampling.generate, sampling.completion_logprobs, dpo.pair_logps, dpo.dpo_loss,
-torch's AdamW; GRPO's update takes a plain policy-gradient surrogate of its log-probs, whose cost
+torch's fused AdamW; GRPO's update takes a plain policy-gradient surrogate of its log-probs, whose cost
 is grpo_loss's to a few elementwise operations) --repeats times; the least CPU time counts (one
 thread: CPU time is the phase's own work, whatever else the machine runs).
 
@@ -91,7 +91,7 @@ def main():
 
     test = world.build_world(0, {"sft": 0, "prefs": 0, "rl": 0, "contrast": 0})["test"]
     posts, summaries = list(test["prompt"][:2]), list(test["reference"][:2])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as common.make_optimizer
 
     def optimizer_phase(algo):
         seconds, _ = cpu_best(lambda: optimizer.step(), cli.repeats)  # weights, gradients, 2 moments read; 3 written

@@ -11,6 +11,7 @@ and log-probs come from the logits the model samples from (`lm_logits`: the head
 architecture's post-head transform). tests/test_architectures.py checks both, per architecture.
 """
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -185,7 +186,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     continues prompt row i // k, and each prompt goes through the model once (`completion_states`).
 
     Memory: the head is applied to completion positions only (not the prompt, not padding), in
-    chunks of rows, each under activation checkpointing, so at most one chunk of fp32 logits
+    chunks of rows, each but the last under activation checkpointing (backward starts with the last
+    one's kept logits, then recomputes the others one by one), so at most one chunk of fp32 logits
     `(chunk_tokens, vocab)` exists at a time, in forward and in backward; never `(B, T, V)`.
     With `with_entropy`, also returns the per-token entropy of the (tempered) distribution.
     """
@@ -208,7 +210,8 @@ def packed_logprobs(model, input_ids, position_ids, loss_mask):
 
 def token_logprobs(model, hidden, labels, keep, temperature=1.0, with_entropy=False, chunk_tokens=None):
     """log pi(label | hidden state before it) where `keep`, 0 elsewhere: hidden (B, C, H), labels and
-    keep (B, C) -> (B, C) (and the entropy with `with_entropy`), the head in checkpointed chunks."""
+    keep (B, C) -> (B, C) (and the entropy with `with_entropy`), the head in chunks, each but the last
+    checkpointed."""
     shape = labels.shape
     h, labels = hidden[keep], labels[keep]  # (N, H), (N,): real tokens only
     head = model.get_output_embeddings()
@@ -217,7 +220,9 @@ def token_logprobs(model, hidden, labels, keep, temperature=1.0, with_entropy=Fa
     lps, ents = [], []
     for i in range(0, h.shape[0], chunk):
         args = (head, transform, h[i:i + chunk], labels[i:i + chunk], temperature, with_entropy)
-        if torch.is_grad_enabled() and h.requires_grad:
+        # every chunk but the last is recomputed in backward; the last one's logits are kept, since
+        # backward starts with them: still one chunk's alive at a time, and one head pass less
+        if torch.is_grad_enabled() and h.requires_grad and i + chunk < h.shape[0]:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _head_logprobs(*args)
@@ -289,24 +294,25 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     generator = torch.Generator(device=logits.device) if do_sample and seed is not None else None
     first_row = parallel.rank() * logits.shape[0]  # this rank's rows in the global batch (parallel.shard)
     tokens = []
-    for t in range(max_new_tokens):
-        if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
-            basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
-                        "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
-        noise = sampling_noise(logits.shape, logits.device, generator, seed, t, first_row) if do_sample else None
-        token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)
-        token = token.masked_fill(done, pad)  # (B*n,)
-        tokens.append(token)
-        if seen is not None:
-            seen[torch.arange(len(token), device=token.device), token] = True
-        done |= torch.isin(token, stops)
-        finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
-        if finished or t + 1 == max_new_tokens:
-            break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                       **with_cache(model, cache)).logits[:, -1].float()
-        next_position = next_position + 1
+    with packed_weights(model, logits.shape[0]):  # fp32 on an x86 CPU: MKL's packed matmuls for the decode rows
+        for t in range(max_new_tokens):
+            if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
+                basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
+                            "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
+            noise = sampling_noise(logits.shape, logits.device, generator, seed, t, first_row) if do_sample else None
+            token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)
+            token = token.masked_fill(done, pad)  # (B*n,)
+            tokens.append(token)
+            if seen is not None:
+                seen[torch.arange(len(token), device=token.device), token] = True
+            done |= torch.isin(token, stops)
+            finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
+            if finished or t + 1 == max_new_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                           **with_cache(model, cache)).logits[:, -1].float()
+            next_position = next_position + 1
     del cache
     model.train(was_training)
     completion = torch.stack(tokens, 1) if tokens else prompt_ids.new_full((logits.shape[0], 1), pad)  # (B*n, C)
@@ -318,6 +324,36 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     completion = completion.masked_fill(completion_mask == 0, pad)
     width = max(int(completion_mask.sum(1).max()), 1)
     return completion[:, :width], completion_mask[:, :width], truncated
+
+
+@contextlib.contextmanager
+def packed_weights(model, rows):
+    """While decoding `rows` rows a step on an x86 CPU in fp32: every plain nn.Linear multiplies by a
+    copy of its weight that MKL packed once for `rows` rows, where the plain matmul repacks the
+    weight at every call. Decoding reads every weight once a token for a few rows, so it is bound
+    by memory traffic, and the packed matmuls take a third less time (docs/benchmarks.md, "Where a
+    step's time goes"). The same products up to float32 rounding (another order of summation:
+    tests/test_sampling.py); another number of rows falls back to the plain matmul. The copies
+    cost the weights' size in memory until the loop ends. Elsewhere (a GPU, bf16, a CPU without
+    MKL, sharded or quantised weights): nothing changes."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+               and m.weight.device.type == "cpu"]
+    if not linears or not torch.backends.mkl.is_available() or parallel.is_sharded(model):
+        yield
+        return
+    for m in linears:
+        weight = m.weight.detach()
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        m.forward = functools.partial(_packed_linear, packed, weight, m.bias, rows)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def _packed_linear(packed, weight, bias, rows, x):
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
 def sampling_noise(shape, device, generator=None, seed=None, step=0, first_row=0):

@@ -422,8 +422,8 @@ def test_log_prob_and_score_forwards_build_no_cache_and_the_head_is_recomputed_i
     """Memory: a forward whose key/value cache nothing reads builds none (the body returns no
     past_key_values) -- the log-probs of one completion a prompt, packed rows and a reward
     model's scores; the shared-prompt pass builds one, which it reads. With gradients the head
-    runs once per chunk forward and once more in backward (its fp32 logits are recomputed, not
-    kept); without gradients once."""
+    runs once per chunk forward and once more in backward but for the last chunk (their fp32
+    logits are recomputed, not kept); without gradients once."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     tok = world.build_tokenizer()
@@ -444,7 +444,8 @@ def test_log_prob_and_score_forwards_build_no_cache_and_the_head_is_recomputed_i
     assert caches == [False] and heads == [4] * (n // 4) + [n % 4] * (n % 4 > 0)
     heads.clear()
     lp.sum().backward()
-    assert heads == [4] * (n // 4) + [n % 4] * (n % 4 > 0)  # each chunk once more
+    chunks = [4] * (n // 4) + [n % 4] * (n % 4 > 0)
+    assert heads == chunks[-2::-1]  # each chunk once more but the last, whose logits were kept, last first
     heads.clear()
     with torch.no_grad():
         sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_tokens=100)
@@ -480,3 +481,29 @@ def test_the_filters_and_the_noise_default_to_leaving_things_as_they_are():
     with torch.no_grad():
         plain = sampling.token_logprobs(model, hidden, labels, keep)
         assert torch.equal(plain, sampling.token_logprobs(model, hidden, labels, keep, 1.0, False, None))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's packed matmuls are x86's")
+def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeypatch):
+    """packed_weights: a forward of `rows` rows (the decode steps) gives the plain forward's
+    logits up to float32 rounding, another number of rows exactly (it falls back), and once the
+    block ends every Linear is plain again (its forward is the class's, its weight untouched)."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2).eval()
+    ids = torch.randint(0, len(tok), (5, 7), generator=torch.Generator().manual_seed(0))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    weights = [m.weight.clone() for m in linears]
+    calls, packed_linear = [], sampling._packed_linear
+    monkeypatch.setattr(sampling, "_packed_linear", lambda *a: calls.append(a[-1].shape[0] * a[-1].shape[1]) or packed_linear(*a))
+    with torch.no_grad():
+        plain = [model(input_ids=ids[:, :1]).logits, model(input_ids=ids).logits]
+        with sampling.packed_weights(model, 5):
+            assert all("forward" in vars(m) for m in linears)
+            packed = [model(input_ids=ids[:, :1]).logits, model(input_ids=ids).logits]
+    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(packed[1], plain[1])
+    assert calls == [5] * len(linears) + [35] * len(linears)  # every Linear went through MKL's op, twice
+    assert not any("forward" in vars(m) for m in linears)
+    assert all(torch.equal(m.weight, w) for m, w in zip(linears, weights))
+    with sampling.packed_weights(model.bfloat16(), 5):  # bf16: nothing is packed
+        assert not any("forward" in vars(m) for m in linears)
