@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -109,7 +110,7 @@ def run_trl(algo, model_dir, data, steps, out, real):
 
 def trl_trainer(algo, model_dir, data, out, s):
     """TRL's trainer for `algo` with settings `s` (our flag names: learning_rate, batch_size,
-    beta, ...; GRPO's batch_size counts prompts), torch AdamW at a constant lr, fp32 on the CPU.
+    beta, ...; GRPO's batch_size counts prompts), torch's fused AdamW at a constant lr, fp32 on the CPU.
     bench/trl_quality.py builds its TRL runs with this too."""
     import torch
     from datasets import load_dataset
@@ -200,6 +201,7 @@ def main():
         for steps in (cli.short, long):  # interleaved: ours, TRL's, ours, TRL's, so both see the same load
             for side in sides:
                 out = os.path.join(cli.workdir, f"{side}_{algo}_{steps}")
+                shutil.rmtree(out, ignore_errors=True)  # an earlier invocation's run (our scripts refuse to overwrite one)
                 if side == "ours":
                     cmd = ours_command(algo, model_dir, data, steps, out, real)
                 else:

@@ -124,7 +124,7 @@ def main():
 
     seconds, loss = cpu_best(update_forward, cli.repeats)
     phase("grpo", "update: forward", seconds, forward_flops(shape, P + n_new, attended), 2 * weight_bytes)
-    seconds, _ = cpu_best(lambda: update_forward().backward(), 1)
+    seconds, _ = cpu_best(lambda: (model.zero_grad(set_to_none=True), update_forward().backward()), cli.repeats)  # fresh grads, as a step
     backward = seconds - rows[-1][2]
     phase("grpo", "update: backward", backward, forward_flops(shape, P + n_new, attended, backward=True), 4 * weight_bytes)
     optimizer_phase("grpo")
@@ -146,7 +146,7 @@ def main():
 
     seconds, _ = cpu_best(dpo_forward, cli.repeats)
     phase("dpo", "update: forward", seconds, forward_flops(shape, tokens, dpo_attended), 2 * weight_bytes)
-    seconds, _ = cpu_best(lambda: dpo_forward().backward(), 1)
+    seconds, _ = cpu_best(lambda: (model.zero_grad(set_to_none=True), dpo_forward().backward()), cli.repeats)
     phase("dpo", "update: backward", seconds - rows[-1][2], forward_flops(shape, tokens, dpo_attended, backward=True),
           4 * weight_bytes)
     optimizer_phase("dpo")

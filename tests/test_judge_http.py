@@ -373,3 +373,22 @@ def test_log_probs_of_another_shape_fall_back_to_the_answer(logprobs):
     """logprobs, its content or its top_logprobs of another shape than OpenAI's: the answer's letter decides."""
     reply = {"choices": [{"message": {"content": " B"}, "logprobs": logprobs}]}
     assert judges.answer_prob(reply) == 0.0
+
+
+def test_a_reply_of_exactly_the_cap_is_read_and_one_byte_more_is_not():
+    """post_json's max_bytes is the largest reply it reads: that many bytes parse, one more is refused."""
+    body = json.dumps({"choices": [{"message": {"content": "A"}}]}).encode()
+    url, _, stop = serve(reply_with(body))
+    try:
+        assert judges.post_json(url + "/chat/completions", b"{}", {}, 5, max_bytes=len(body)) == json.loads(body)
+        with pytest.raises(ValueError, match=f"^the reply is larger than {len(body) - 1} bytes$"):
+            judges.post_json(url + "/chat/completions", b"{}", {}, 5, max_bytes=len(body) - 1)
+    finally:
+        stop()
+
+
+def test_a_conversation_is_shown_to_the_judge_as_role_lines():
+    """fill_template: a text prompt stripped; a conversation as one 'role: content' line a message."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sum up: x"}]
+    assert judges.fill_template("[{prompt}] {a} | {b}", conversation, " A ", "B\n") == "[system: Be brief.\nuser: Sum up: x] A | B"
+    assert judges.fill_template("[{prompt}]", "  plain  ", "a", "b") == "[plain]"
