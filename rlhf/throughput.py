@@ -78,8 +78,13 @@ def train_flops(shape, tokens, attended):
 def forward_tokens(input_ids, attention_mask=None, position_ids=None):
     """(tokens, attended pairs) of one forward: its real tokens, and for each the real tokens of
     its row, the cached prompt's included (a causal kernel computes half; the count is PaLM's).
-    Packed rows (no mask, positions restarting at 0) attend within each example."""
+    Packed rows (no mask, positions restarting at 0) attend within each example; a block mask
+    (prompt_rows: a prompt and its completions in one row) counts twice the pairs it allows."""
     B, T = input_ids.shape
+    if attention_mask is not None and attention_mask.dim() == 4:  # sampling.prompt_rows' block mask (B, 1, T, T)
+        sees = attention_mask[:, 0]
+        real = sees.diagonal(dim1=1, dim2=2)  # (B, T): a real token sees itself, a pad does not
+        return real.sum(), 2 * (sees.sum(-1) * real).sum()  # twice the pairs a causal mask allows: PaLM's count
     if attention_mask is not None:
         real = attention_mask[:, -T:].sum(1)  # (B,) this call's real tokens; the mask may also cover a cache
         return real.sum(), (real * attention_mask.sum(1)).sum()

@@ -11,6 +11,8 @@ from rlhf import data
 from rlhf import sampling
 from worlds import world
 
+prompt_rows = sampling.prompt_rows
+
 
 # ------------------------------------------------------------------ log-probs
 def _naive_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
@@ -45,12 +47,16 @@ def test_completion_logprobs_match_full_softmax(chunk_tokens):
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_shared_prompts_match_repeated_prompts(checkpointing):
-    """k completions per prompt: one prompt pass whose KV cache is repeated gives the same
-    log-probs and gradients as k copies of the prompt (with checkpointing: the repeat fallback)."""
+@pytest.mark.parametrize("checkpointing,attention", [(False, "sdpa"), (True, "sdpa"), (False, "eager"), (True, "eager")])
+def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeypatch):
+    """k completions per prompt give the same log-probs and gradients as k copies of the prompt:
+    on the CPU under sdpa as one row a prompt with a block mask (`prompt_rows`), elsewhere as one
+    prompt pass whose KV cache is repeated (with checkpointing: the repeat fallback)."""
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
+    model.set_attn_implementation(attention)
+    rows = []
+    monkeypatch.setattr(sampling, "prompt_rows", lambda *a: rows.append(1) or prompt_rows(*a))
     if checkpointing:
         common.enable_checkpointing(model)
     model.train()
@@ -66,6 +72,7 @@ def test_shared_prompts_match_repeated_prompts(checkpointing):
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g_shared, g_ref, atol=1e-5, rtol=1e-4)
     assert g_ref.abs().sum() > 0  # the prompt's keys get gradient through the shared cache
+    assert rows == ([1] if attention == "sdpa" else [])
 
 
 def test_generate_greedy_matches_hf_generate():
@@ -452,10 +459,12 @@ def test_log_prob_and_score_forwards_build_no_cache_and_the_head_is_recomputed_i
     assert heads == [n]
     caches.clear()
     with torch.no_grad():
-        sampling.completion_logprobs(model, p_ids[:1], p_mask[:1], c_ids, c_mask)  # two completions of one prompt
+        sampling.completion_logprobs(model, p_ids[:1], p_mask[:1], c_ids, c_mask)  # two completions of one prompt: one row
         sampling.packed_logprobs(model, c_ids, sampling.position_ids(c_mask), c_mask)
         sampling.sequence_scores(rm, c_ids, c_mask)
-    assert caches == [True, True, False, False]
+        model.set_attn_implementation("eager")  # as on a GPU: a prompt pass whose cache the completions read
+        sampling.completion_logprobs(model, p_ids[:1], p_mask[:1], c_ids, c_mask)
+    assert caches == [False, False, False, True, True]
 
 
 def test_the_filters_and_the_noise_default_to_leaving_things_as_they_are():
@@ -507,3 +516,8 @@ def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeyp
     assert all(torch.equal(m.weight, w) for m, w in zip(linears, weights))
     with sampling.packed_weights(model.bfloat16(), 5):  # bf16: nothing is packed
         assert not any("forward" in vars(m) for m in linears)
+    biased = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))  # a Linear's bias is added too (Qwen2's q/k/v)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), sampling.packed_weights(biased, 5):
+        packed = biased(x)
+    torch.testing.assert_close(packed, biased(x).detach(), rtol=1e-5, atol=1e-6)

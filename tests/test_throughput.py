@@ -3,8 +3,11 @@ token and attention counts of padded, cached and packed forwards, the hook that 
 trained forwards, and the device's peak (datasheet table, cached CPU measurement)."""
 
 import json
+import types
 
 import pytest
+import types
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,6 +57,40 @@ def test_tokens_and_attention_of_padded_cached_and_packed_forwards():
     # packed rows: examples of 3 + 1 and of 2 + 2 tokens attend within themselves
     positions = torch.tensor([[0, 1, 2, 0], [0, 1, 0, 1]])
     assert [int(x) for x in throughput.forward_tokens(ids, None, positions)] == [8, 9 + 1 + 4 + 4]
+
+
+def test_a_prompt_and_its_completions_in_one_row_see_the_prompt_and_themselves():
+    """sampling.prompt_rows' block mask: prompt tokens causal among themselves; completion j sees
+    the prompt's real tokens and its own earlier ones, never another completion or a pad; a pad
+    never sees itself (a prompt's left pad sees the first real token). forward_tokens counts the
+    real tokens and twice the pairs of real queries."""
+    from rlhf import sampling
+
+    seen = {}
+
+    class Body:
+        def __call__(self, **kw):
+            seen.update(kw)
+            return types.SimpleNamespace(last_hidden_state=torch.zeros(kw["input_ids"].shape + (2,)))
+
+    prompt_mask = torch.tensor([[0, 1, 1]])  # one left pad, 2 real prompt tokens
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # completions of 2 and 1 tokens
+    states = sampling.prompt_rows(Body(), torch.arange(3)[None], prompt_mask, torch.ones(2, 3, dtype=torch.long), completion_mask)
+    assert states.shape == (2, 4, 2)
+    mask = seen["attention_mask"][0, 0].int()
+    assert mask.tolist() == [
+        [0, 1, 0, 0, 0, 0, 0, 0, 0],  # the prompt's pad, with nothing before it to see, sees the first real token
+        [0, 1, 0, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0, 0, 0, 0],  # completion 1
+        [0, 1, 1, 1, 1, 0, 0, 0, 0],
+        [0, 1, 1, 1, 1, 0, 0, 0, 0],  # its pad: the real tokens before it, never itself
+        [0, 1, 1, 0, 0, 0, 1, 0, 0],  # completion 2 sees the prompt, not completion 1
+        [0, 1, 1, 0, 0, 0, 1, 0, 0],
+        [0, 1, 1, 0, 0, 0, 1, 0, 0]]
+    assert seen["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4, 2, 3, 4]]
+    tokens, attended = throughput.forward_tokens(seen["input_ids"], seen["attention_mask"])
+    assert (int(tokens), int(attended)) == (5, 2 * (1 + 2 + 3 + 4 + 3))
 
 
 def test_a_step_counts_the_trained_forwards_only(tmp_path, monkeypatch):
