@@ -128,10 +128,11 @@ def test_logprobs_match_the_forward_in_bf16(arch):
         lp = sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
         ref = naive_logprobs(model, p_ids.repeat_interleave(2, 0), p_mask.repeat_interleave(2, 0), c_ids, c_mask)
         exact = naive_logprobs(build(arch), p_ids.repeat_interleave(2, 0), p_mask.repeat_interleave(2, 0), c_ids, c_mask)
-    # bf16 keeps 8 bits of mantissa: both bf16 paths land within a few hundredths of a nat of each
-    # other and of fp32; a missing logit transform is off by nats
-    torch.testing.assert_close(lp, ref, atol=0.1, rtol=0)
-    torch.testing.assert_close(lp, exact, atol=0.15, rtol=0)
+    # bf16 keeps 8 bits of mantissa: ours lands about as far from fp32 as the plain bf16 forward does
+    # (a few hundredths of a nat; Granite's and Cohere's multipliers make it a tenth or two); a missing
+    # logit transform is off by nats
+    naive_error = float((ref - exact).abs().max())
+    torch.testing.assert_close(lp, exact, atol=max(0.05, 1.5 * naive_error), rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
