@@ -17,7 +17,8 @@ Departures from the paper and from TRL's RewardTrainer:
   the noisy labels), which no reward model can beat on average, and the test accuracy against
   the gold judge's own preference (`test_gold_accuracy`), which it can.
 - Chosen and rejected share their prompt's pass: each prompt goes through the model once and both
-  responses read its key/value cache (TRL runs 2B whole sequences); the scores are the same.
+  responses read it (its key/value cache, or on a CPU one row with a block mask; TRL runs 2B whole
+  sequences); the scores are the same.
 - `--expand_layers N` (embedded world: 1) adds N decoder layers on top of the policy's trunk,
   initialised so that the model starts as the trunk (block expansion, `expand_layers`); the
   papers initialise the reward model from the SFT policy as it is.
@@ -126,7 +127,7 @@ def pair_scores(model, tokenizer, triples, args):
     """R_psi on chosen and rejected of a list of (prompt, chosen, rejected) texts: two (B,) tensors.
 
     Each prompt (left-padded) goes through the model once and both responses (right-padded) read
-    its key/value cache (sampling.completion_scores); the score is read at each response's last
+    it (sampling.completion_scores); the score is read at each response's last
     real token, the same number as on prompt + response in one sequence.
     """
     prompts = [p for p, _, _ in triples]

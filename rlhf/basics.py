@@ -121,6 +121,22 @@ def torch_dtype(name):
     return getattr(torch, name)
 
 
+def free_memory_bytes():
+    """Memory this machine can still give a process: Linux's MemAvailable (free memory plus the page
+    cache it can drop), else the free pages; 0 where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def freeze(model):
     """A frozen copy in eval mode: no grads, dropout off."""
     model.eval()

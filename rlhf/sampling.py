@@ -364,6 +364,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     return completion[:, :width], completion_mask[:, :width], truncated
 
 
+PACKED_BYTES_PER_WEIGHT_BYTE = 5  # MKL's packed sgemm copy of a weight for a few rows: 2-4x its bytes, measured
+
+
 @contextlib.contextmanager
 def packed_weights(model, rows):
     """While decoding `rows` rows a step on an x86 CPU in fp32: every plain nn.Linear multiplies by a
@@ -371,12 +374,15 @@ def packed_weights(model, rows):
     weight at every call. Decoding reads every weight once a token for a few rows, so it is bound
     by memory traffic, and the packed matmuls take a third less time (docs/benchmarks.md, "Where a
     step's time goes"). The same products up to float32 rounding (another order of summation:
-    tests/test_sampling.py); another number of rows falls back to the plain matmul. The copies
-    cost the weights' size in memory until the loop ends. Elsewhere (a GPU, bf16, a CPU without
-    MKL, sharded or quantised weights): nothing changes."""
+    tests/test_sampling.py); another number of rows falls back to the plain matmul. MKL's packed
+    copies take about four times the weights' bytes until the loop ends, so they are made only
+    when PACKED_BYTES_PER_WEIGHT_BYTE times the weights fit in half the memory the machine has
+    free. Elsewhere (a GPU, bf16, a CPU without MKL, sharded or quantised weights): nothing changes."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
                and m.weight.device.type == "cpu"]
-    if not linears or not torch.backends.mkl.is_available() or parallel.is_sharded(model):
+    packed_bytes = PACKED_BYTES_PER_WEIGHT_BYTE * sum(m.weight.numel() * 4 for m in linears)
+    if (not linears or not torch.backends.mkl.is_available() or parallel.is_sharded(model)
+            or packed_bytes > basics.free_memory_bytes() / 2):
         yield
         return
     for m in linears:

@@ -496,7 +496,8 @@ def test_the_filters_and_the_noise_default_to_leaving_things_as_they_are():
 def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeypatch):
     """packed_weights: a forward of `rows` rows (the decode steps) gives the plain forward's
     logits up to float32 rounding, another number of rows exactly (it falls back), and once the
-    block ends every Linear is plain again (its forward is the class's, its weight untouched)."""
+    block ends every Linear is plain again (its forward is the class's, its weight untouched).
+    Nothing is packed where five times the weights' bytes would not fit in half the free memory."""
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2).eval()
     ids = torch.randint(0, len(tok), (5, 7), generator=torch.Generator().manual_seed(0))
@@ -514,6 +515,13 @@ def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeyp
     assert calls == [5] * len(linears) + [35] * len(linears)  # every Linear went through MKL's op, twice
     assert not any("forward" in vars(m) for m in linears)
     assert all(torch.equal(m.weight, w) for m, w in zip(linears, weights))
+    weight_bytes = sum(m.weight.numel() * 4 for m in linears)
+    monkeypatch.setattr(sampling.basics, "free_memory_bytes", lambda: 2 * 5 * weight_bytes - 1)  # the copies would not fit
+    with sampling.packed_weights(model, 5):
+        assert not any("forward" in vars(m) for m in linears)
+    monkeypatch.setattr(sampling.basics, "free_memory_bytes", lambda: 2 * 5 * weight_bytes)
+    with sampling.packed_weights(model, 5):
+        assert all("forward" in vars(m) for m in linears)
     with sampling.packed_weights(model.bfloat16(), 5):  # bf16: nothing is packed
         assert not any("forward" in vars(m) for m in linears)
     biased = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))  # a Linear's bias is added too (Qwen2's q/k/v)
