@@ -166,13 +166,13 @@ def test_deleting_files_fails(outside):
     assert reward == 0 and os.path.exists(victim)
 
 
-def test_the_working_dir_is_fresh_and_removed():
-    tmp = os.environ.get("TMPDIR", "/tmp")
-    before = {n for n in os.listdir(tmp) if n.startswith("sandbox-")}
+def test_the_working_dir_is_fresh_and_removed(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the sandbox's folders go here: another test worker's do not
     code = "import os\nassert os.listdir('.') == [], os.listdir('.')\nopen('scratch.txt', 'w').write('x')\npwned = False"
     reward, result, _ = attack(code)
-    after = {n for n in os.listdir(tmp) if n.startswith("sandbox-")}
-    assert result.status == "ok" and after <= before
+    assert result.status == "ok" and os.listdir(tmp_path) == []
 
 
 @as_root
