@@ -189,8 +189,8 @@ def prompt_rows(body, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """completion_states of k completions per prompt as one row each: (prompt, c_1, ..., c_k), where
     completion j attends to the prompt's real tokens and to its own earlier ones (a block mask) at
     the positions it has after the prompt. One forward over the weights (and one weight gradient)
-    instead of a prompt pass and a completion pass: on a CPU at small batches, a third to two
-    fifths less time for forward and backward (docs/benchmarks.md). No token attends to a pad; a
+    instead of a prompt pass and a completion pass: on a CPU at small batches, an eighth to a third
+    less time for forward and backward (bench/shared_prompt.py). No token attends to a pad; a
     prompt's left pad, with no real token before it, attends to the row's first one (no row of the
     mask is empty), so a real token is one that attends to itself (throughput.forward_tokens)."""
     B, P = prompt_ids.shape
@@ -203,7 +203,8 @@ def prompt_rows(body, prompt_ids, prompt_mask, completion_ids, completion_mask):
     mask = sees[None] & real[:, None, :]  # (B, T, T): query row, key column
     first = prompt_mask.argmax(1)  # (B,): each row's first real prompt token (left padding)
     mask[torch.arange(B, device=real.device)[:, None], column[None], first[:, None]] |= ~real  # a pad's query sees it
-    positions = torch.cat([position_ids(prompt_mask), prompt_mask.sum(1, keepdim=True) + torch.arange(C, device=real.device).repeat(k)], 1)
+    after = prompt_mask.sum(1, keepdim=True) + torch.arange(C, device=real.device).repeat(k)  # (B, kC): after the prompt
+    positions = torch.cat([position_ids(prompt_mask), after], 1)
     hidden = body(input_ids=torch.cat([prompt_ids, completion_ids.reshape(B, k * C)], 1), attention_mask=mask[:, None],
                   position_ids=positions, use_cache=False).last_hidden_state  # (B, T, H)
     return torch.cat([hidden[:, P - 1:P].repeat_interleave(k, 0), hidden[:, P:].reshape(B * k, C, -1)], 1)  # (B*k, 1+C, H)
@@ -375,7 +376,7 @@ def packed_weights(model, rows):
     by memory traffic, and the packed matmuls take a third less time (docs/benchmarks.md, "Where a
     step's time goes"). The same products up to float32 rounding (another order of summation:
     tests/test_sampling.py); another number of rows falls back to the plain matmul. MKL's packed
-    copies take about four times the weights' bytes until the loop ends, so they are made only
+    copies take two to four times the weights' bytes until the loop ends, so they are made only
     when PACKED_BYTES_PER_WEIGHT_BYTE times the weights fit in half the memory the machine has
     free. Elsewhere (a GPU, bf16, a CPU without MKL, sharded or quantised weights): nothing changes."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
