@@ -529,3 +529,24 @@ def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeyp
     with torch.no_grad(), sampling.packed_weights(biased, 5):
         packed = biased(x)
     torch.testing.assert_close(packed, biased(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_one_row_serves_a_cpu_under_sdpa_within_a_sliding_window():
+    """fits_one_row: the block mask knows no sliding window, so a row longer than the model's window
+    takes the cached-prompt path (whose layers apply it); eager attention takes it too."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=16, num_layers=1)
+    model.config.sliding_window = 12
+    assert sampling.fits_one_row(model, 12) and not sampling.fits_one_row(model, 13)
+    p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"])  # 8 tokens
+    c_ids, c_mask = data.encode_completions(tok, [" alice .", " bob ."])  # 2 x 3: a row of 14
+    rows = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling, "prompt_rows", lambda *a: rows.append(1) or prompt_rows(*a))
+        with torch.no_grad():
+            sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
+            model.config.sliding_window = None
+            sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
+    assert p_ids.shape[1] + 2 * c_ids.shape[1] > 12 and rows == [1]
+    model.set_attn_implementation("eager")
+    assert not sampling.fits_one_row(model, 12)
