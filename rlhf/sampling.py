@@ -200,9 +200,9 @@ def prompt_rows(body, prompt_ids, prompt_mask, completion_ids, completion_mask):
     segment = torch.cat([prompt_mask.new_zeros(P), torch.arange(1, k + 1, device=real.device).repeat_interleave(C)])
     column = torch.arange(T, device=real.device)
     sees = (column[None] <= column[:, None]) & ((segment[None] == 0) | (segment[None] == segment[:, None]))  # (T, T)
-    mask = sees[None] & real[:, None, :]  # (B, T, T): query row, key column
     first = prompt_mask.argmax(1)  # (B,): each row's first real prompt token (left padding)
-    mask[torch.arange(B, device=real.device)[:, None], column[None], first[:, None]] |= ~real  # a pad's query sees it
+    pad_sees_first = ~real[:, :, None] & (column[None, None] == first[:, None, None])  # (B, T, T)
+    mask = (sees[None] & real[:, None, :]) | pad_sees_first  # (B, T, T): query row, key column
     after = prompt_mask.sum(1, keepdim=True) + torch.arange(C, device=real.device).repeat(k)  # (B, kC): after the prompt
     positions = torch.cat([position_ids(prompt_mask), after], 1)
     hidden = body(input_ids=torch.cat([prompt_ids, completion_ids.reshape(B, k * C)], 1), attention_mask=mask[:, None],

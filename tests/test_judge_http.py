@@ -58,6 +58,11 @@ def ask(url, timeout=5.0, retries=0, monkeypatch=None):
     return judges.http_first_better("judge", args, "{prompt} <<{a}>> <<{b}>>", ["p"], ["a"], ["b"])
 
 
+def _no_proxy_variables(monkeypatch):
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def key(monkeypatch):
     monkeypatch.setenv("JUDGE_TEST_KEY", "sekret")
@@ -175,9 +180,8 @@ def test_the_http_proxy_of_the_environment_is_used(monkeypatch):
     """HTTP_PROXY is honoured (as urllib honoured it): the request goes to the proxy, with the
     judge's absolute URL in the request line."""
     proxy, seen, stop = serve(reply_with({"choices": [{"message": {"content": "B"}}]}))
+    _no_proxy_variables(monkeypatch)
     monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0])
-    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     try:
         assert ask("http://judge.example/v1").tolist() == [0.0]
         assert seen == [("http://judge.example/v1/chat/completions", "Bearer sekret")]
@@ -190,9 +194,8 @@ def test_a_proxy_with_a_login_gets_it(monkeypatch):
     logins = []
     answer = reply_with({"choices": [{"message": {"content": "B"}}]})
     proxy, seen, stop = serve(lambda h: logins.append(h.headers.get("Proxy-Authorization")) or answer(h))
+    _no_proxy_variables(monkeypatch)
     monkeypatch.setenv("http_proxy", proxy.rsplit("/", 1)[0].replace("http://", "http://ann:p%40ss@"))
-    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     try:
         assert ask("http://judge.example/v1").tolist() == [0.0]
         assert logins == ["Basic " + base64.b64encode(b"ann:p@ss").decode()]
@@ -216,9 +219,8 @@ def test_a_proxy_login_reaches_the_connect_tunnel(monkeypatch):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    _no_proxy_variables(monkeypatch)
     monkeypatch.setenv("https_proxy", f"http://ann:p%40ss@127.0.0.1:{server.server_address[1]}")
-    for name in ("no_proxy", "NO_PROXY", "HTTPS_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     try:
         with pytest.raises(OSError, match="407"):
             judges.post_json("https://judge.example/v1/chat/completions", b"{}", {"Authorization": "Bearer sekret"}, 5)
@@ -237,11 +239,6 @@ def test_a_base_url_with_a_query_string_keeps_it_after_the_path():
         assert [path for path, _ in seen] == ["/v1/chat/completions?api-version=2024-06-01"] * 2
     finally:
         stop()
-
-
-def _no_proxy_variables(monkeypatch):
-    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_a_proxy_without_a_scheme_or_a_password_is_read_as_urllib_reads_it(monkeypatch):
