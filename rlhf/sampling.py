@@ -278,14 +278,33 @@ def token_logprobs(model, hidden, labels, keep, temperature=1.0, with_entropy=Fa
 
 def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
     logits = head(h).float()  # (n, V), fp32 for a stable log-softmax
-    logits = (transform(logits) if transform is not None else logits) / temperature
-    logz = torch.logsumexp(logits, -1)
-    lp = logits.gather(-1, labels[:, None]).squeeze(-1) - logz
+    logits = transform(logits) if transform is not None else logits
+    logits = logits / temperature if temperature != 1.0 else logits
+    lp = LabelLogprob.apply(logits, labels)
     ent = None
     if with_entropy:
         with torch.no_grad():
-            ent = logz - (logits.softmax(-1) * logits).sum(-1)
+            ent = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
     return lp, ent
+
+
+class LabelLogprob(torch.autograd.Function):
+    """log softmax(logits)[label]: (n, V), (n,) -> (n,). The same value and gradient as autograd's
+    `logits.gather(label) - logsumexp(logits)`, whose backward makes four (n, V) tensors (the
+    gather's zeros, the softmax, its product, their sum); this one makes one: -g * softmax, plus g at
+    the label. The head's logits are a model's largest activation (n x 49k floats for SmolLM2)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        logz = torch.logsumexp(logits, -1)
+        ctx.save_for_backward(logits, labels, logz)
+        return logits.gather(-1, labels[:, None]).squeeze(-1) - logz
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, logz = ctx.saved_tensors
+        grad_logits = (logits - logz[:, None]).exp_().mul_(-grad[:, None])  # -g softmax(logits)
+        return grad_logits.scatter_add_(-1, labels[:, None], grad[:, None]), None
 
 
 
@@ -430,12 +449,14 @@ def _next_token(logits, temperature, top_p, top_k, do_sample, min_p=0.0, repetit
 
     Sampling is an exponential race: with E_v = -log U_v, U_v ~ Uniform(0, 1) the `noise`
     (B, V), argmax_v p_v / E_v is token v with probability p_v (the E_v / p_v are independent
-    Exp(p_v) times; the first to finish wins), so the sample is a function of the noise."""
+    Exp(p_v) times; the first to finish wins), so the sample is a function of the noise. It is
+    taken in log space, argmax_v (logit_v - log E_v): the same argmax (log p_v is the logit less
+    the row's log-normaliser), without a softmax."""
     if not do_sample:
         return processed_logits(logits, 1.0, repetition_penalty=repetition_penalty, seen=seen).argmax(-1)
     logits = processed_logits(logits, temperature, top_p, top_k, min_p, repetition_penalty, seen)
     noise = torch.rand_like(logits) if noise is None else noise
-    return (logits.softmax(-1) / -torch.log(noise)).argmax(-1)
+    return (logits - torch.log(noise).neg_().log_()).argmax(-1)
 
 
 def processed_logits(logits, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, seen=None):
@@ -446,7 +467,7 @@ def processed_logits(logits, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, rep
     tokens at least min_p times as probable as the most probable one (Nguyen et al. 2024)."""
     if seen is not None:
         logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
-    logits = logits / temperature
+    logits = logits / temperature if temperature != 1.0 else logits
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, -1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -47,6 +47,20 @@ def test_completion_logprobs_match_full_softmax(chunk_tokens):
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
+def test_label_logprob_is_autograds_log_softmax_gather():
+    """LabelLogprob's value and gradient, under any upstream gradient, are those of
+    log_softmax(logits)[label]; torch's gradcheck compares its backward with finite differences."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(5, 11, dtype=torch.float64)).requires_grad_()
+    labels = torch.tensor([0, 3, 10, 3, 7])
+    upstream = torch.randn(5, dtype=torch.float64)
+    ours = sampling.LabelLogprob.apply(logits, labels)
+    plain = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits, upstream)[0], torch.autograd.grad(plain, logits, upstream)[0])
+    assert torch.autograd.gradcheck(lambda x: sampling.LabelLogprob.apply(x, labels), (logits,))
+
+
 @pytest.mark.parametrize("checkpointing,attention", [(False, "sdpa"), (True, "sdpa"), (False, "eager"), (True, "eager")])
 def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeypatch):
     """k completions per prompt give the same log-probs and gradients as k copies of the prompt:
