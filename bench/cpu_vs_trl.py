@@ -53,7 +53,7 @@ REAL_BATCHES = {"sft": 2, "dpo": 2, "grpo": 1}  # --model: micro-batches a real 
 # --model: rows of each dataset. Our DPO's start-up scores every pair with the reference once; over 256
 # pairs that was ~100 s of CPU on SmolLM2-135M, whose noise swamped 4 steps of 2-5 s in the difference
 REAL_ROWS = 32
-REAL_LONG = {"grpo": 6, "dpo": 10, "sft": 10}  # --model: steps of the long run (each a few CPU-seconds)
+REAL_LONG = {"grpo": 10, "dpo": 10, "sft": 10}  # --model: steps of the long run (each a few CPU-seconds; 8 steps apart from the short run, so a run's noise is an eighth of a step)
 # gradient_accumulation_steps 1 as TRL's side: grpo.py's default for a pretrained model (anything but the
 # embedded policy, this tiny Llama too) is 8 micro-batches a step
 COMMON = dict(learning_rate=1e-5, optim="adamw", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
@@ -165,7 +165,7 @@ def main():
     parser.add_argument("--trl_python", default=".venv-bench/bin/python", help="Python of the venv that has TRL.")
     parser.add_argument("--algos", default="grpo,dpo,sft", help="Comma-separated: sft, dpo, grpo.")
     parser.add_argument("--short", type=int, default=2, help="Steps of the short run.")
-    parser.add_argument("--long", type=int, default=0, help="Steps of the long run (default: 12 for GRPO, 32 for DPO and SFT, whose steps are shorter; with --model REAL_LONG: 6, 10, 10).")
+    parser.add_argument("--long", type=int, default=0, help="Steps of the long run (default: 12 for GRPO, 32 for DPO and SFT, whose steps are shorter; with --model REAL_LONG: 10 each).")
     parser.add_argument("--model", default="", help="A model folder to time instead of the tiny Llama (e.g. models/SmolLM2-135M-Instruct); batches from REAL_BATCHES.")
     parser.add_argument("--workdir", default="/tmp/bench_cpu", help="Model, data, logs and run folders.")
     parser.add_argument("--output", default="", help="Results JSON (default: bench/results_cpu.json, with --model bench/results_cpu_<its folder name>.json).")

@@ -3,6 +3,8 @@
 filters, generation masks and truncation flags, reward-model scores at the last real token, and
 the form in which reward functions receive completions."""
 
+import types
+
 import pytest
 import torch
 
@@ -69,8 +71,11 @@ def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeyp
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     model.set_attn_implementation(attention)
-    rows = []
+    rows, blocks = [], []
     monkeypatch.setattr(sampling, "prompt_rows", lambda *a: rows.append(1) or prompt_rows(*a))
+    block_attention = sampling.prompt_block_attention
+    monkeypatch.setattr(sampling, "prompt_block_attention",
+                        lambda *a, **kw: blocks.append(kw["prompt_blocks"]) or block_attention(*a, **kw))
     if checkpointing:
         common.enable_checkpointing(model)
     model.train()
@@ -87,6 +92,40 @@ def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeyp
     torch.testing.assert_close(g_shared, g_ref, atol=1e-5, rtol=1e-4)
     assert g_ref.abs().sum() > 0  # the prompt's keys get gradient through the shared cache
     assert rows == ([1] if attention == "sdpa" else [])
+    # block by block in each of the 2 layers, but not under checkpointing (its recompute runs plain sdpa)
+    assert blocks == ([(p_ids.shape[1], 2, c_ids.shape[1])] * 2 if attention == "sdpa" and not checkpointing else [])
+
+
+def test_prompt_block_attention_is_sdpa_over_the_whole_block_mask():
+    """prompt_block_attention's output and gradients equal transformers' sdpa over prompt_rows'
+    whole (T, T) mask: left-padded prompts, completions of several lengths, grouped-query heads."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = {}
+
+    def body(**kw):
+        seen.update(kw)
+        return types.SimpleNamespace(last_hidden_state=torch.zeros(kw["input_ids"].shape + (2,)))
+
+    B, P, k, C, heads, kv_heads, D = 2, 3, 3, 4, 4, 2, 8
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    completion_mask = (torch.arange(C) < torch.tensor([4, 2, 1, 3, 4, 1])[:, None]).long()
+    sampling.prompt_rows(body, torch.ones(B, P, dtype=torch.long), prompt_mask, torch.ones(B * k, C, dtype=torch.long),
+                         completion_mask)
+    mask, T = seen["attention_mask"], P + k * C
+    assert seen["prompt_blocks"] == (P, k, C) and mask.shape == (B, 1, T, T)
+    torch.manual_seed(0)
+    q, key, value = (torch.randn(B, n, T, D, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    ours, _ = sampling.prompt_block_attention(module, q, key, value, mask, prompt_blocks=(P, k, C), scaling=0.3)
+    full, _ = sdpa_attention_forward(module, q, key, value, mask, scaling=0.3)
+    assert ours.shape == full.shape == (B, T, heads, D)
+    torch.testing.assert_close(ours, full)
+    upstream = torch.randn_like(full)
+    for a, b in zip(torch.autograd.grad(ours, (q, key, value), upstream), torch.autograd.grad(full, (q, key, value), upstream)):
+        torch.testing.assert_close(a, b)
+    plain, _ = sampling.prompt_block_attention(module, q, key, value, mask, scaling=0.3)  # no layout: plain sdpa
+    torch.testing.assert_close(plain, full)
 
 
 def test_generate_greedy_matches_hf_generate():

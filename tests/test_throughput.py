@@ -6,8 +6,6 @@ import json
 import types
 
 import pytest
-import types
-
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
