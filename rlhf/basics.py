@@ -7,10 +7,8 @@ imports only files on its own floor or below, with no loop; tests/test_imports.p
 """
 
 import contextlib
-import ctypes
 import math
 import os
-import platform
 import random
 import sys
 
@@ -137,23 +135,6 @@ def free_memory_bytes():
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-GLIBC_M_TRIM_THRESHOLD, GLIBC_M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
-
-
-def keep_freed_memory():
-    """Let the process keep the memory it frees for its next allocations (glibc on Linux; elsewhere
-    nothing changes). A CPU step allocates and frees the same activations, logits and gradients
-    every time, tens of MB each; glibc maps each allocation above its threshold afresh and hands it
-    back when freed, so every step pays a page fault for each 4 KB of them again (about 0.25 ms a
-    MB on a Xeon core: a tenth of a GRPO update of SmolLM2-135M, docs/benchmarks.md section 4).
-    Here an allocation up to 1 GB comes from the heap, and freed memory is given back only above
-    2 GB unused. The price: resident memory stays near the run's peak. Returns whether it was set."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(GLIBC_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def freeze(model):

@@ -13,7 +13,7 @@ import torch
 
 from rlhf import lora
 from rlhf import sampling
-from rlhf.basics import brief, check_hub_id, device, fail, freeze, keep_freed_memory, torch_dtype
+from rlhf.basics import brief, check_hub_id, device, fail, freeze, torch_dtype
 
 
 def attn_implementation(name):
@@ -127,8 +127,6 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_model_source(name)
-    if device().type == "cpu":
-        keep_freed_memory()  # a CPU step would otherwise page-fault its activations in afresh every time
     cls = cls or AutoModelForCausalLM
     if os.path.isfile(os.path.join(name, "adapter_config.json")):  # an adapter folder (<output_dir>/adapter)
         base = load_model(lora.adapter_base(name), args, cls, **kwargs)

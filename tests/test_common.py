@@ -3,9 +3,6 @@ data loading on every format and on malformed input, checkpoints, reward functio
 
 import json
 import os
-import platform
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -284,38 +281,3 @@ def test_a_gguf_file_is_not_read_from_a_folder_made_from_another_file(tmp_path):
         real_model.gguf_folder(str(gguf))
     (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": basics.file_sha256(gguf)}))
     assert real_model.gguf_folder(str(gguf)) == str(tmp_path / "m")
-
-
-REFAULTS = """
-import resource, sys, torch
-import common, sft
-
-def refaults(mb):  # the fewest page faults of filling mb MB again right after freeing as much, of 4 tries
-    x = torch.empty(mb << 18); x.fill_(1); del x
-    faults = []
-    for _ in range(4):  # (an aligned allocation may not fit the hole the last one left: the next one does)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.empty(mb << 18); x.fill_(1); del x
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return min(faults)
-
-if sys.argv[1:]:
-    common.load_model(sys.argv[1], sft.Args(model=sys.argv[1]))
-print(refaults(64))
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or torch.cuda.is_available(), reason="glibc's setting, CPU runs")
-def test_loading_a_model_on_the_cpu_keeps_freed_memory(tiny_llama):
-    """A CPU run keeps what it frees: 64 MB allocated again right after being freed costs no page
-    faults, where a plain process faults in all its 16,384 pages again."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    faults = [int(subprocess.run([sys.executable, "-c", REFAULTS, *argv], cwd=root, capture_output=True, text=True,
-                                 check=True).stdout.split()[-1]) for argv in ([], [tiny_llama])]
-    assert faults[0] >= 16384 and faults[1] < 100, faults
-
-
-def test_keep_freed_memory_changes_nothing_without_glibc(monkeypatch):
-    monkeypatch.setattr(basics.platform, "libc_ver", lambda: ("", ""))
-    monkeypatch.setattr(basics.ctypes, "CDLL", lambda name: pytest.fail("no libc call without glibc"))
-    assert basics.keep_freed_memory() is False
