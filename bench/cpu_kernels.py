@@ -1,0 +1,141 @@
+"""bench/cpu_kernels.py: the kernels behind docs/benchmarks.md's notes on a CPU step, each timed alone on
+random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU time of --repeats:
+
+- decoding's matmuls: 8 rows times each of the model's 211 weight matrices (30 layers of q, k, v, o,
+  gate, up, down, and the 49,152 x 576 head), as plain fp32 `F.linear`, against a transposed copy
+  of each weight, as W x^T, against MKL's packed weights (`sampling.packed_weights`'s op) and
+  oneDNN's; the packing's time and size; one core's read bandwidth (`sum` over as many bytes);
+- the head's log-probs of 256 tokens, forward and backward: autograd's `gather - logsumexp`
+  against `sampling.LabelLogprob`;
+- attention of a prompt of 38 tokens and 8 completions of 32 in one row (9 heads of 64), forward
+  and backward: sdpa over the whole block mask against `sampling.prompt_block_attention`.
+
+    OMP_NUM_THREADS=1 python bench/cpu_kernels.py
+"""
+
+import argparse
+import os
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rlhf import sampling  # noqa: E402
+
+HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M-Instruct
+LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN),
+                (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def cpu_best(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def decode_matmuls(repeats, rows=8):
+    weights = [torch.randn(o, i) * 0.02 for o, i in LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]]
+    x = {n: torch.randn(rows, n) for n in (HIDDEN, INTERMEDIATE)}
+    xt = {n: t.t().contiguous() for n, t in x.items()}
+    nbytes = sum(w.numel() * 4 for w in weights)
+    flat = torch.randn(nbytes // 4)
+    read = cpu_best(lambda: flat.sum(), repeats)
+    del flat
+    print(f"decoding: {rows} rows x {len(weights)} fp32 weights ({nbytes / 1e6:.0f} MB); one core reads "
+          f"{nbytes / read / 1e9:.1f} GB/s (sum): {read * 1e3:.1f} ms a token at that rate")
+
+    def token(products):
+        return lambda: [f() for f in products]
+
+    def report(name, products):
+        print(f"  {name:32} {cpu_best(token(products), repeats) * 1e3:6.1f} ms a token")
+
+    report("F.linear (plain)", [lambda w=w: F.linear(x[w.shape[1]], w) for w in weights])
+    transposed = [w.t().contiguous() for w in weights]
+    report("x @ (a transposed copy of W)", [lambda t=t: x[t.shape[0]] @ t for t in transposed])
+    del transposed
+    report("W @ x^T", [lambda w=w: w @ xt[w.shape[1]] for w in weights])
+    if torch.backends.mkl.is_available():
+        start = time.process_time()
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+        first = time.process_time() - start
+        again = cpu_best(lambda: [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights], 2)
+        print(f"  MKL packing: {first:.3f} s into fresh memory, {again:.3f} s again; "
+              f"{sum(p.numel() * 4 for p in packed) / 1e6:.0f} MB of packed copies")
+        report("MKL packed (sampling.packed_weights)",
+               [lambda w=w, p=p: torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, rows) for w, p in zip(weights, packed)])
+        del packed
+    if torch.backends.mkldnn.is_available():
+        start = time.process_time()
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        print(f"  oneDNN packing: {time.process_time() - start:.3f} s")
+        report("oneDNN packed", [lambda w=w, p=p: torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+                                 for w, p in zip(weights, packed)])
+
+
+def head_logprobs(repeats, tokens=256):
+    torch.manual_seed(0)
+    weight = (torch.randn(VOCAB, HIDDEN) * 0.02).requires_grad_()
+    hidden = torch.randn(tokens, HIDDEN, requires_grad=True)
+    labels, upstream = torch.randint(0, VOCAB, (tokens,)), torch.randn(tokens)
+
+    def autograd_way():
+        logits = (hidden @ weight.t()).float()
+        return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+    def ours():
+        return sampling.LabelLogprob.apply((hidden @ weight.t()).float(), labels)
+
+    print(f"the head's log-probs: {tokens} tokens x {VOCAB} x {HIDDEN}, forward + backward")
+    for name, fn in (("autograd: gather - logsumexp", autograd_way), ("sampling.LabelLogprob", ours)):
+        def step(fn=fn):
+            weight.grad = hidden.grad = None
+            fn().backward(upstream)
+        print(f"  {name:32} {cpu_best(step, repeats) * 1e3:6.1f} ms")
+
+
+def block_attention(repeats, P=38, k=8, C=32, heads=9, kv_heads=3, head_dim=64):
+    T = P + k * C
+    seen = {}
+
+    def body(**kw):
+        seen.update(kw)
+        return types.SimpleNamespace(last_hidden_state=torch.zeros(kw["input_ids"].shape + (1,)))
+
+    sampling.prompt_rows(body, torch.ones(1, P, dtype=torch.long), torch.ones(1, P, dtype=torch.long),
+                         torch.ones(k, C, dtype=torch.long), torch.ones(k, C, dtype=torch.long))
+    mask = seen["attention_mask"]  # (1, 1, T, T): prompt_rows' block mask
+    torch.manual_seed(0)
+    q, key, value = (torch.randn(1, n, T, head_dim, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    upstream = torch.randn(1, T, heads, head_dim)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    print(f"attention of one row: a prompt of {P} and {k} completions of {C} ({T} tokens), {heads} heads "
+          f"({kv_heads} key/value) of {head_dim}, x{LAYERS} layers")
+    for name, fn in (("sdpa over the whole (T, T) mask", lambda: sdpa_attention_forward(module, q, key, value, mask)),
+                     ("sampling.prompt_block_attention",
+                      lambda: sampling.prompt_block_attention(module, q, key, value, mask, prompt_blocks=(P, k, C)))):
+        forward = cpu_best(fn, repeats)
+        both = cpu_best(lambda fn=fn: fn()[0].backward(upstream), repeats)
+        print(f"  {name:32} forward {forward * LAYERS * 1e3:6.1f} ms, forward + backward {both * LAYERS * 1e3:6.1f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    cli = parser.parse_args()
+    print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    decode_matmuls(cli.repeats)
+    head_logprobs(cli.repeats)
+    block_attention(cli.repeats)
+
+
+if __name__ == "__main__":
+    main()
