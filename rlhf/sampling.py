@@ -394,6 +394,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
                 **with_cache(model, cache))
     logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (B*n, V): next-token logits
     cache.batch_repeat_interleave(n)
+    preallocate(cache, prompt_ids.shape[1] + max_new_tokens)
     mask = prompt_mask.repeat_interleave(n, 0)
     next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -434,6 +435,35 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     completion = completion.masked_fill(completion_mask == 0, pad)
     width = max(int(completion_mask.sum(1).max()), 1)
     return completion[:, :width], completion_mask[:, :width], truncated
+
+
+def preallocate(cache, capacity):
+    """Give each plain layer of a DynamicCache buffers of `capacity` positions, so that a decoding
+    step writes its token's keys and values into the next slot instead of copying the whole cache
+    into a longer one (transformers' `torch.cat`, a copy of every layer's cache every token). The
+    layer's keys and values stay views of its buffers up to the positions written. Other layers
+    (sliding windows, quantised caches) keep their own update."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.shape[-2] >= capacity:
+            continue
+        n = layer.keys.shape[-2]
+        buffers = [x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in (layer.keys, layer.values)]
+        for buffer, x in zip(buffers, (layer.keys, layer.values)):
+            buffer[..., :n, :] = x
+        layer.keys, layer.values = (b[..., :n, :] for b in buffers)
+        layer.update = functools.partial(_write_in_place, layer, *buffers)
+
+
+def _write_in_place(layer, keys, values, key_states, value_states, *args, **kwargs):
+    start, end = layer.keys.shape[-2], layer.keys.shape[-2] + key_states.shape[-2]
+    if end > keys.shape[-2]:  # past the buffers: grow as transformers does
+        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+    keys[..., start:end, :] = key_states
+    values[..., start:end, :] = value_states
+    layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]
+    return layer.keys, layer.values
 
 
 PACKED_BYTES_PER_WEIGHT_BYTE = 5  # MKL's packed sgemm copy of a weight for a few rows: 2-4x its bytes, measured

@@ -44,7 +44,7 @@ TARGETS = {
                                 "check_reward_data", "load_eval_reward_fns", "parse_reward_weights"],
     "rlhf/sampling.py": ["stop_token_ids", "logit_transform", "lm_logits", "position_ids", "completion_states", "fits_one_row",
                          "prompt_rows", "block_attention", "prompt_block_attention", "completion_logprobs", "packed_logprobs", "token_logprobs", "_head_logprobs", "generate",
-                         "packed_weights", "_packed_linear", "sampling_noise", "noise_key", "_next_token", "processed_logits",
+                         "packed_weights", "_packed_linear", "preallocate", "_write_in_place", "sampling_noise", "noise_key", "_next_token", "processed_logits",
                          "reward_completions", "completion_id_lists", "decode_completions", "sample_texts", "sequence_scores", "completion_scores",
                          "reward_model_scores", "score_texts"],
     "rlhf/data.py": ["load_data", "named_data", "is_task", "set_max_steps", "check_folder", "check_jsonl", "require_columns",

@@ -140,6 +140,34 @@ def test_generate_greedy_matches_hf_generate():
     assert torch.equal(c, hf)  # rows 3i..3i+2 are prompt i's, all equal under greedy decoding
 
 
+def test_decoding_writes_each_token_into_preallocated_cache_buffers(monkeypatch):
+    """generate gives each cache layer buffers for the prompt and every new token: the samples are
+    those of transformers' growing cache, and after the prefill no layer concatenates its cache;
+    a layer given too few positions goes back to concatenating, with the same keys and values."""
+    from transformers.cache_utils import DynamicLayer
+
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost the phone .\nTL;DR:"])
+    grown = []
+    update = DynamicLayer.update
+    monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **kw: grown.append(1) or update(self, *a, **kw))
+    ours = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
+    assert len(grown) == 2  # the prefill's, one a layer
+    monkeypatch.setattr(sampling, "preallocate", lambda cache, capacity: None)
+    plain = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain)) and len(grown) > 2
+    layer = DynamicLayer()
+    layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    before = [x.clone() for x in (layer.keys, layer.values)]
+    sampling.preallocate(types.SimpleNamespace(layers=[layer]), 4)
+    new = [torch.randn(1, 2, 1, 4) for _ in range(4)]
+    keys, values = layer.update(new[0], new[1])  # the last free position
+    assert keys.shape[-2] == 4 and torch.equal(keys, torch.cat([before[0], new[0]], -2))
+    keys, values = layer.update(new[2], new[3])  # past the buffers
+    assert torch.equal(values, torch.cat([before[1], new[1], new[3]], -2)) and keys.shape[-2] == 5
+
+
 def test_sampling_filters_keep_top_k_and_the_nucleus():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
     torch.manual_seed(0)
