@@ -154,18 +154,20 @@ def test_decoding_writes_each_token_into_preallocated_cache_buffers(monkeypatch)
     monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **kw: grown.append(1) or update(self, *a, **kw))
     ours = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
     assert len(grown) == 2  # the prefill's, one a layer
-    monkeypatch.setattr(sampling, "preallocate", lambda cache, capacity: None)
-    plain = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(ours, plain)) and len(grown) > 2
     layer = DynamicLayer()
     layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
     before = [x.clone() for x in (layer.keys, layer.values)]
-    sampling.preallocate(types.SimpleNamespace(layers=[layer]), 4)
+    sampling.preallocate(types.SimpleNamespace(layers=[DynamicLayer(), layer]), 4)  # an empty layer first: skipped
     new = [torch.randn(1, 2, 1, 4) for _ in range(4)]
-    keys, values = layer.update(new[0], new[1])  # the last free position
-    assert keys.shape[-2] == 4 and torch.equal(keys, torch.cat([before[0], new[0]], -2))
-    keys, values = layer.update(new[2], new[3])  # past the buffers
-    assert torch.equal(values, torch.cat([before[1], new[1], new[3]], -2)) and keys.shape[-2] == 5
+    keys, values = layer.update(new[0], new[1])  # the last free position: written in place
+    assert len(grown) == 3 and torch.equal(keys, torch.cat([before[0], new[0]], -2))
+    assert torch.equal(values, torch.cat([before[1], new[1]], -2))
+    keys, values = layer.update(new[2], new[3])  # past the buffers: concatenated
+    assert len(grown) == 4 and torch.equal(keys, torch.cat([before[0], new[0], new[2]], -2))
+    assert torch.equal(values, torch.cat([before[1], new[1], new[3]], -2))
+    monkeypatch.setattr(sampling, "preallocate", lambda cache, capacity: None)
+    plain = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain)) and len(grown) > 4
 
 
 def test_sampling_filters_keep_top_k_and_the_nucleus():
