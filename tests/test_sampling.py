@@ -76,6 +76,7 @@ def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeyp
     block_attention = sampling.prompt_block_attention
     monkeypatch.setattr(sampling, "prompt_block_attention",
                         lambda *a, **kw: blocks.append(kw["prompt_blocks"]) or block_attention(*a, **kw))
+    monkeypatch.setattr(sampling, "BLOCK_ATTENTION_MIN_WORK", 0)  # blocks for this tiny model too
     if checkpointing:
         common.enable_checkpointing(model)
     model.train()
@@ -94,6 +95,28 @@ def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeyp
     assert rows == ([1] if attention == "sdpa" else [])
     # block by block in each of the 2 layers, but not under checkpointing (its recompute runs plain sdpa)
     assert blocks == ([(p_ids.shape[1], 2, c_ids.shape[1])] * 2 if attention == "sdpa" and not checkpointing else [])
+
+
+def test_blocks_that_skip_little_attention_keep_the_whole_mask(monkeypatch):
+    """The one-row pass attends block by block only where the pairs the blocks skip, times the hidden
+    size, reach BLOCK_ATTENTION_MIN_WORK: not for the embedded world's tiny model at its default."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"])
+    c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " alice ."])
+    P, C = p_ids.shape[1], c_ids.shape[1]
+    work = (P + 2 * C) ** 2 - (P * P + 2 * C * (P + C))  # one row: the whole mask's pairs less the blocks'
+    work *= model.config.hidden_size
+    blocks = []
+    block_attention = sampling.prompt_block_attention
+    monkeypatch.setattr(sampling, "prompt_block_attention",
+                        lambda *a, **kw: blocks.append(1) or block_attention(*a, **kw))
+    for threshold, used in ((sampling.BLOCK_ATTENTION_MIN_WORK, False), (work + 1, False), (work, True)):
+        monkeypatch.setattr(sampling, "BLOCK_ATTENTION_MIN_WORK", threshold)
+        blocks.clear()
+        with torch.no_grad():
+            sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
+        assert blocks == ([1] * 2 if used else []), threshold
 
 
 def test_prompt_block_attention_is_sdpa_over_the_whole_block_mask():
