@@ -8,9 +8,11 @@ random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU 
 - the head's log-probs of 256 tokens, forward and backward: autograd's `gather - logsumexp`
   against `sampling.LabelLogprob`;
 - attention of a prompt of 38 tokens and 8 completions of 32 in one row (9 heads of 64), forward
-  and backward: sdpa over the whole block mask against `sampling.prompt_block_attention`.
+  and backward: sdpa over the whole block mask against `sampling.prompt_block_attention`;
+- with --model: forward + backward of `completion_logprobs` for DPO's shape (2 prompts of 42 tokens x
+  2 completions of 15, random tokens) with the blocks and with the whole mask, alternating 4 times.
 
-    OMP_NUM_THREADS=1 python bench/cpu_kernels.py
+    OMP_NUM_THREADS=1 python bench/cpu_kernels.py [--model models/SmolLM2-135M-Instruct]
 """
 
 import argparse
@@ -127,14 +129,43 @@ def block_attention(repeats, P=38, k=8, C=32, heads=9, kv_heads=3, head_dim=64):
         print(f"  {name:32} forward {forward * LAYERS * 1e3:6.1f} ms, forward + backward {both * LAYERS * 1e3:6.1f} ms")
 
 
+def dpo_blocks(model_dir, repeats, B=2, k=2, P=42, C=15):
+    import argparse as ap
+
+    from rlhf import models
+
+    args = ap.Namespace(dtype="float32", trust_remote_code=False, attn_implementation="sdpa", use_peft=False,
+                        load_in_4bit=False, load_in_8bit=False, gradient_checkpointing=False)
+    model = models.load_model(model_dir, args).train()
+    torch.manual_seed(0)
+    p_ids, c_ids = torch.randint(100, 1000, (B, P)), torch.randint(100, 1000, (B * k, C))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        sampling.completion_logprobs(model, p_ids, torch.ones_like(p_ids), c_ids, torch.ones_like(c_ids)).sum().backward()
+
+    times = {"blocks": [], "whole mask": []}
+    for _ in range(4):
+        for name, threshold in (("blocks", 0), ("whole mask", float("inf"))):
+            sampling.BLOCK_ATTENTION_MIN_WORK = threshold
+            step()
+            times[name].append(cpu_best(step, repeats))
+    print(f"completion_logprobs, {B} prompts of {P} x {k} completions of {C}, forward + backward ({model_dir}):")
+    for name, seconds in times.items():
+        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default="", help="A model folder for DPO's shape, blocks against the whole mask.")
     cli = parser.parse_args()
     print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}")
     decode_matmuls(cli.repeats)
     head_logprobs(cli.repeats)
     block_attention(cli.repeats)
+    if cli.model:
+        dpo_blocks(cli.model, 4)
 
 
 if __name__ == "__main__":
