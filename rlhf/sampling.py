@@ -224,14 +224,14 @@ def block_attention(body, skipped_pairs):
     DPO's pairs there, 2e6, and the embedded world's tiny models gain nothing: each block is
     another kernel call and a few copies). Not under activation checkpointing, whose recompute in
     backward runs after this has ended."""
-    from transformers import AttentionInterface  # a slow import: not for --help
-
-    AttentionInterface.register(PROMPT_BLOCKS, prompt_block_attention)
     config = getattr(body, "config", None)
     if (getattr(config, "_attn_implementation", None) != "sdpa" or is_checkpointing(body)
             or skipped_pairs * getattr(config, "hidden_size", 0) < BLOCK_ATTENTION_MIN_WORK):
         yield
         return
+    from transformers import AttentionInterface  # a slow import: not for --help
+
+    AttentionInterface.register(PROMPT_BLOCKS, prompt_block_attention)
     config._attn_implementation = PROMPT_BLOCKS
     try:
         yield
@@ -342,7 +342,8 @@ def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
     ent = None
     if with_entropy:
         with torch.no_grad():
-            ent = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+            logz = logits.gather(-1, labels[:, None]).squeeze(-1) - lp  # LabelLogprob's, not computed again
+            ent = logz - (logits.softmax(-1) * logits).sum(-1)
     return lp, ent
 
 
@@ -472,7 +473,7 @@ def _write_in_place(layer, keys, values, key_states, value_states, *args, **kwar
     return layer.keys, layer.values
 
 
-PACKED_BYTES_PER_WEIGHT_BYTE = 5  # MKL's packed sgemm copy of a weight for a few rows: 2-4x its bytes, measured
+PACKED_BYTES_PER_WEIGHT_BYTE = 5  # MKL's packed sgemm copies for a few rows: 2,740 MB for SmolLM2's 538 MB (bench/cpu_kernels.py)
 
 
 @contextlib.contextmanager
@@ -483,7 +484,7 @@ def packed_weights(model, rows):
     by memory traffic, and the packed matmuls take a third less time (docs/benchmarks.md, "Where a
     step's time goes"). The same products up to float32 rounding (another order of summation:
     tests/test_sampling.py); another number of rows falls back to the plain matmul. MKL's packed
-    copies take two to four times the weights' bytes until the loop ends, so they are made only
+    copies take about five times the weights' bytes until the loop ends, so they are made only
     when PACKED_BYTES_PER_WEIGHT_BYTE times the weights fit in half the memory the machine has
     free. Elsewhere (a GPU, bf16, a CPU without MKL, sharded or quantised weights): nothing changes."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
