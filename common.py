@@ -416,6 +416,19 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
     if parallel.world_size() > 1:  # under torchrun: average gradients over ranks first (see `distribute`)
         parallel.sync_gradients([p for g in optimizer.param_groups for p in g["params"]])
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if optimizer.defaults.get("fused") and max_grad_norm > 0 and all(p.dtype == torch.float32 for p in params):
+        # clip_grad_norm_ inside torch's fused AdamW: its kernel divides each gradient by grad_scale as
+        # it reads it (the hook torch's GradScaler uses), one pass over the gradients fewer
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        check_finite("the gradient norm", grad_norm, step)
+        scale = (grad_norm + 1e-6) / max_grad_norm  # the inverse of clip_grad_norm_'s coefficient
+        optimizer.grad_scale = scale if scale > 1 else None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
     if parallel.world_size() > 1 and any(parallel.is_sharded_param(p) for p in params):
         grad_norm = parallel.grad_norm_(params, max_grad_norm)
     else:

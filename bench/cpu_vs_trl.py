@@ -17,7 +17,9 @@ loading, tokenising, precomputing) and the final save. Two clocks: wall-clock, a
 (user + system of the process and its threads), which is the steadier one on a shared machine
 because it does not count waiting for a core. With OMP_NUM_THREADS=1 the two agree on an idle
 machine. The two sides of each configuration run interleaved (ours, TRL's, ours, TRL's), so
-both see the same load.
+both see the same load. --repeats N does that N times, the sides' order alternating; each repeat
+gives a ratio of two runs side by side, and the result is their median (all N in `cpu_ratios`):
+on a machine whose speed drifts by 10-20% within an hour, one pair is a draw from that spread.
 
 With --model, that model (and its tokenizer) replaces the tiny one, on the same rows, at smaller
 batches (REAL_BATCHES: a real model's step is seconds to minutes on a CPU): GRPO 1 prompt x 8
@@ -36,6 +38,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -169,6 +172,7 @@ def main():
     parser.add_argument("--model", default="", help="A model folder to time instead of the tiny Llama (e.g. models/SmolLM2-135M-Instruct); batches from REAL_BATCHES.")
     parser.add_argument("--workdir", default="/tmp/bench_cpu", help="Model, data, logs and run folders.")
     parser.add_argument("--output", default="", help="Results JSON (default: bench/results_cpu.json, with --model bench/results_cpu_<its folder name>.json).")
+    parser.add_argument("--repeats", type=int, default=1, help="Times to run each side's short and long pair, interleaved (the sides' order alternating); step times and the ratio are the medians over the repeats, each repeat's ratio in cpu_ratios.")
     parser.add_argument("--only", default="ours,trl", help="Sides to run: ours,trl (default), ours, or trl.")
     parser.add_argument("--trl_worker", nargs=5, metavar=("ALGO", "MODEL", "DATA", "STEPS", "REAL"), help=argparse.SUPPRESS)
     parser.add_argument("--trl_out", default="", help=argparse.SUPPRESS)
@@ -197,32 +201,43 @@ def main():
         data = os.path.join(cli.workdir, f"{algo}.jsonl")
         long = cli.long or (REAL_LONG if real else {"grpo": 12, "dpo": 32, "sft": 32})[algo]
         sides = cli.only.split(",")
-        wall, cpu = {side: {} for side in sides}, {side: {} for side in sides}
-        for steps in (cli.short, long):  # interleaved: ours, TRL's, ours, TRL's, so both see the same load
-            for side in sides:
-                out = os.path.join(cli.workdir, f"{side}_{algo}_{steps}")
-                shutil.rmtree(out, ignore_errors=True)  # an earlier invocation's run (our scripts refuse to overwrite one)
-                if side == "ours":
-                    cmd = ours_command(algo, model_dir, data, steps, out, real)
-                else:
-                    cmd = [cli.trl_python, os.path.abspath(__file__), "--trl_worker", algo, model_dir, data,
-                           str(steps), "1" if real else "0", "--trl_out", out]
-                wall[side][steps], cpu[side][steps] = timed(cmd, env, out + ".log")
-                print(f"{side:4} {algo:4} {steps:3} steps: {wall[side][steps]:7.1f} s wall, {cpu[side][steps]:7.1f} s CPU, "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
         n = long - cli.short
-        for side in sides:
+        runs = {side: [] for side in sides}  # one entry a repeat: that repeat's two runs and their difference
+        for repeat in range(cli.repeats):
+            wall, cpu = {side: {} for side in sides}, {side: {} for side in sides}
+            order = sides if repeat % 2 == 0 else sides[::-1]  # every other repeat starts with the other side
+            for steps in (cli.short, long):  # interleaved: ours, TRL's, ours, TRL's, so both see the same load
+                for side in order:
+                    out = os.path.join(cli.workdir, f"{side}_{algo}_{steps}")
+                    shutil.rmtree(out, ignore_errors=True)  # an earlier run's folder (our scripts refuse to overwrite one)
+                    if side == "ours":
+                        cmd = ours_command(algo, model_dir, data, steps, out, real)
+                    else:
+                        cmd = [cli.trl_python, os.path.abspath(__file__), "--trl_worker", algo, model_dir, data,
+                               str(steps), "1" if real else "0", "--trl_out", out]
+                    wall[side][steps], cpu[side][steps] = timed(cmd, env, out + ".log")
+                    print(f"{side:4} {algo:4} {steps:3} steps: {wall[side][steps]:7.1f} s wall, "
+                          f"{cpu[side][steps]:7.1f} s CPU, load {os.getloadavg()[0]:.1f}", flush=True)
+            for side in sides:
+                runs[side].append({"cpu_seconds_per_step": (cpu[side][long] - cpu[side][cli.short]) / n,
+                                   "wall_seconds_per_step": (wall[side][long] - wall[side][cli.short]) / n,
+                                   "wall_seconds": wall[side], "cpu_seconds": cpu[side]})
+        for side in sides:  # the medians over the repeats (the one run's numbers with --repeats 1)
             results.setdefault(algo, {})[side] = {
-                "cpu_seconds_per_step": (cpu[side][long] - cpu[side][cli.short]) / n,
-                "wall_seconds_per_step": (wall[side][long] - wall[side][cli.short]) / n,
-                "wall_seconds": wall[side], "cpu_seconds": cpu[side]}
-        if {"ours", "trl"} <= results.get(algo, {}).keys():
+                **{key: statistics.median(r[key] for r in runs[side])
+                   for key in ("cpu_seconds_per_step", "wall_seconds_per_step")}, "repeats": runs[side]}
+        if {"ours", "trl"} <= set(sides):  # each repeat's ratio, of two runs side by side; their median
+            for kind in ("cpu", "wall"):
+                key = f"{kind}_seconds_per_step"
+                ratios = [o[key] / t[key] for o, t in zip(runs["ours"], runs["trl"])]
+                results[algo][f"{kind}_ratio"], results[algo][f"{kind}_ratios"] = statistics.median(ratios), ratios
+        elif {"ours", "trl"} <= results[algo].keys():  # one side now, the other from an earlier invocation
             for kind in ("cpu", "wall"):
                 key = f"{kind}_seconds_per_step"
                 results[algo][f"{kind}_ratio"] = results[algo]["ours"][key] / results[algo]["trl"][key]
         print(f"{algo}: {json.dumps(results[algo])}", flush=True)
     results["settings"] = {"common": COMMON, **{a: settings(a, real) for a in SETTINGS}, "model": cli.model or "tiny Llama",
-                           "short": cli.short, "long": cli.long or (REAL_LONG if real else "12 GRPO, 32 DPO/SFT"),
+                           "short": cli.short, "long": cli.long or (REAL_LONG if real else "12 GRPO, 32 DPO/SFT"), "repeats": cli.repeats,
                            "threads": env["OMP_NUM_THREADS"], "nproc": os.cpu_count(), "commit": commit,
                            "load_before": load_before, "load_after": os.getloadavg()}
     with open(cli.output, "w") as f:
@@ -233,7 +248,9 @@ def main():
         if "cpu_ratio" in r:
             o, t = r["ours"], r["trl"]
             print(f"{algo:5} {o['cpu_seconds_per_step']:15.3f} {t['cpu_seconds_per_step']:14.3f} {r['cpu_ratio']:6.2f} "
-                  f"{o['wall_seconds_per_step']:10.3f} {t['wall_seconds_per_step']:9.3f} {r['wall_ratio']:6.2f}")
+                  f"{o['wall_seconds_per_step']:10.3f} {t['wall_seconds_per_step']:9.3f} {r['wall_ratio']:6.2f}"
+                  + (f"  CPU ratio of each repeat: {' '.join(f'{x:.3f}' for x in r['cpu_ratios'])}"
+                     if len(r.get("cpu_ratios", [])) > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -395,43 +395,47 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=prompt_ids.device)
     from transformers import DynamicCache  # a slow import: not for --help
 
-    cache = DynamicCache(config=model.config)
-    positions = position_ids(prompt_mask)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
-                **with_cache(model, cache))
-    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (B*n, V): next-token logits
-    cache.batch_repeat_interleave(n)
-    preallocate(cache, prompt_ids.shape[1] + max_new_tokens)
-    mask = prompt_mask.repeat_interleave(n, 0)
-    next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    seen = None  # (B*n, V) tokens already in each row, for the repetition penalty
-    if repetition_penalty != 1.0:
-        seen = logits.new_zeros(logits.shape).scatter_add_(1, prompt_ids.repeat_interleave(n, 0), mask.float()) > 0
     sharded = parallel.is_sharded(model)  # FSDP2 layers gather weights collectively: ranks step together
-    generator = torch.Generator(device=logits.device) if do_sample and seed is not None else None
-    first_row = parallel.rank() * logits.shape[0]  # this rank's rows in the global batch (parallel.shard)
-    tokens = []
-    with packed_weights(model, logits.shape[0]):  # fp32 on an x86 CPU: MKL's packed matmuls for the decode rows
-        for t in range(max_new_tokens):
-            if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
-                basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights have "
-                            "diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
-            noise = sampling_noise(logits.shape, logits.device, generator, seed, t, first_row) if do_sample else None
-            token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen, noise)
-            token = token.masked_fill(done, pad)  # (B*n,)
-            tokens.append(token)
-            if seen is not None:
-                seen[torch.arange(len(token), device=token.device), token] = True
-            done |= torch.isin(token, stops)
-            finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
-            if finished or t + 1 == max_new_tokens:
-                break
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                           **with_cache(model, cache)).logits[:, -1].float()
-            next_position = next_position + 1
-    del cache
+    with torch.inference_mode(not sharded):  # no version counters or views to track; FSDP2 keeps no_grad
+        cache = DynamicCache(config=model.config)
+        positions = position_ids(prompt_mask)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, logits_to_keep=1,
+                    **with_cache(model, cache))
+        logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (B*n, V): next-token logits
+        cache.batch_repeat_interleave(n)
+        preallocate(cache, prompt_ids.shape[1] + max_new_tokens)
+        mask = prompt_mask.repeat_interleave(n, 0)
+        next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        seen = None  # (B*n, V) tokens already in each row, for the repetition penalty
+        if repetition_penalty != 1.0:
+            seen = logits.new_zeros(logits.shape).scatter_add_(1, prompt_ids.repeat_interleave(n, 0),
+                                                               mask.float()) > 0
+        generator = torch.Generator(device=logits.device) if do_sample and seed is not None else None
+        first_row = parallel.rank() * logits.shape[0]  # this rank's rows in the global batch (parallel.shard)
+        tokens = []
+        with packed_weights(model, logits.shape[0]):  # fp32 on an x86 CPU: MKL's packed matmuls for decoding
+            for t in range(max_new_tokens):
+                if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
+                    basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights "
+                                "have diverged. Resume from an earlier checkpoint with a lower --learning_rate.")
+                noise = (sampling_noise(logits.shape, logits.device, generator, seed, t, first_row)
+                         if do_sample else None)
+                token = _next_token(logits, temperature, top_p, top_k, do_sample, min_p, repetition_penalty, seen,
+                                    noise)
+                token = token.masked_fill(done, pad)  # (B*n,)
+                tokens.append(token)
+                if seen is not None:
+                    seen[torch.arange(len(token), device=token.device), token] = True
+                done |= torch.isin(token, stops)
+                finished = parallel.all_reduce(float((~done).sum()), "sum") == 0 if sharded else bool(done.all())
+                if finished or t + 1 == max_new_tokens:
+                    break
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
+                               **with_cache(model, cache)).logits[:, -1].float()
+                next_position = next_position + 1
+        del cache
     model.train(was_training)
     completion = torch.stack(tokens, 1) if tokens else prompt_ids.new_full((logits.shape[0], 1), pad)  # (B*n, C)
     is_stop = torch.isin(completion, stops)

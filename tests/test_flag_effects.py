@@ -118,6 +118,37 @@ def test_max_grad_norm_clips_the_gradient_before_the_step():
     assert torch.allclose(step(0.0)[1], torch.tensor([-3.0, -4.0]))
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.5, 100.0, 0.0])
+def test_fused_adamw_clips_inside_its_kernel_as_clip_grad_norm_then_step(max_grad_norm):
+    """torch's fused AdamW clips by dividing the gradients in its kernel (grad_scale): the weights
+    and moments of two steps are clip_grad_norm_ followed by the unfused AdamW's, at a norm above
+    --max_grad_norm (clipped), below it (not), and with clipping off."""
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(3)]
+    grads = [[torch.randn(5, 3), torch.randn(3)] for _ in range(2)]
+    runs = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(x.clone()) for x in start]
+        optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=fused)
+        norms = []
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            if fused:
+                norms.append(float(common.optimizer_step(optimizer, max_grad_norm, step=1)))
+            else:  # the plain recipe
+                limit = max_grad_norm if max_grad_norm > 0 else float("inf")
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, limit)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in params) and not hasattr(optimizer, "grad_scale")
+        runs.append((norms, [p.detach() for p in params], [optimizer.state[p]["exp_avg_sq"] for p in params]))
+    (norms, weights, moments), (plain_norms, plain_weights, plain_moments) = runs
+    assert norms == pytest.approx(plain_norms, rel=1e-6) and (max(norms) > max_grad_norm > 0) == (max_grad_norm == 0.5)
+    for a, b in zip(weights + moments, plain_weights + plain_moments):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_logging_steps_save_steps_and_save_total_limit_through_sft(tmp_path, tiny_qwen, sft_data, monkeypatch):
     """--logging_steps: metrics rows every 2 steps (and the last); --save_steps 1 with
     --save_total_limit 2: only the newest two checkpoints stay."""

@@ -163,6 +163,26 @@ def test_generate_greedy_matches_hf_generate():
     assert torch.equal(c, hf)  # rows 3i..3i+2 are prompt i's, all equal under greedy decoding
 
 
+def test_decoding_runs_in_inference_mode_and_returns_tensors_autograd_can_save(monkeypatch):
+    """The decoding loop's forwards run under inference mode (no version counters or views to track),
+    but not on FSDP2-sharded weights, which gather under no_grad; what generate returns is plain
+    tensors, which a training forward can save for its backward (an inference tensor cannot be)."""
+    tok = world.build_tokenizer()
+    model = world.build_model(tok, hidden_size=64, num_layers=2)
+    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost the phone .\nTL;DR:"])
+    modes = []
+    model.register_forward_pre_hook(lambda module, args: modes.append(torch.is_inference_mode_enabled()))
+    out = sampling.generate(model, tok, ids, mask, 6, num_return_sequences=2, seed=0)
+    assert len(modes) > 1 and all(modes)
+    assert not any(torch.is_inference(x) for x in out)
+    model.get_input_embeddings()(out[0]).sum().backward()  # raises for an inference tensor's indices
+    modes.clear()
+    monkeypatch.setattr(sampling.parallel, "is_sharded", lambda model: True)
+    sharded = sampling.generate(model, tok, ids, mask, 6, num_return_sequences=2, seed=0)
+    assert len(modes) > 1 and not any(modes)
+    assert all(torch.equal(a, b) for a, b in zip(out, sharded))
+
+
 def test_decoding_writes_each_token_into_preallocated_cache_buffers(monkeypatch):
     """generate gives each cache layer buffers for the prompt and every new token: the samples are
     those of transformers' growing cache, and after the prefill no layer concatenates its cache;
