@@ -9,8 +9,12 @@ random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU 
   against `sampling.LabelLogprob`;
 - attention of a prompt of 38 tokens and 8 completions of 32 in one row (9 heads of 64), forward
   and backward: sdpa over the whole block mask against `sampling.prompt_block_attention`;
+- clipping the gradients and AdamW's fused step: `clip_grad_norm_` then the step, against
+  `common.optimizer_step`, which clips inside the fused kernel;
 - with --model: forward + backward of `completion_logprobs` for DPO's shape (2 prompts of 42 tokens x
-  2 completions of 15, random tokens) with the blocks and with the whole mask, alternating 4 times.
+  2 completions of 15, random tokens) with the blocks and with the whole mask, alternating 4 times;
+  and `sampling.generate` of 1 prompt x 8 completions x 32 tokens, its forwards under inference mode
+  (as it runs them) against no_grad, alternating 4 times.
 
     OMP_NUM_THREADS=1 python bench/cpu_kernels.py [--model models/SmolLM2-135M-Instruct]
 """
@@ -155,6 +159,62 @@ def dpo_blocks(model_dir, repeats, B=2, k=2, P=42, C=15):
         print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
 
 
+def clip_and_step(repeats):
+    """clip_grad_norm_ then torch's fused AdamW, against common.optimizer_step, which clips inside
+    the fused kernel (grad_scale); the model's shapes, one tied head, gradients set afresh each time."""
+    import common
+
+    torch.manual_seed(0)
+    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)] + [(HIDDEN,)] * (2 * LAYERS + 1)
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    grads = [torch.randn_like(p) for p in params]  # norm ~ 11,600: clipped to 1
+
+    def clip_then_step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = {"clip_grad_norm_, then the step": [], "common.optimizer_step": []}
+    for _ in range(repeats + 1):
+        for name, fn in (("clip_grad_norm_, then the step", clip_then_step),
+                         ("common.optimizer_step", lambda: common.optimizer_step(optimizer, 1.0))):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    print(f"clipping and AdamW's step over {sum(p.numel() for p in params) / 1e6:.1f}M fp32 parameters (fused AdamW):")
+    for name, seconds in times.items():
+        print(f"  {name:32} {min(seconds[1:]) * 1e3:6.1f} ms")  # the first (AdamW's state made) left out
+
+
+def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
+    """sampling.generate of one prompt x k completions x C tokens, its forwards under inference mode
+    (as it runs them) against no_grad, alternating `repeats` times."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(100, 1000, (1, P))
+
+    def generate():
+        sampling.generate(model, tokenizer, ids, torch.ones_like(ids), C, num_return_sequences=k, seed=0)
+
+    generate()
+    times = {"inference mode": [], "no_grad": []}
+    for _ in range(repeats):
+        times["inference mode"].append(cpu_best(generate, 1))
+        with mock.patch.object(torch, "inference_mode", lambda mode=True: torch.no_grad()):
+            times["no_grad"].append(cpu_best(generate, 1))
+    print(f"sampling.generate, 1 prompt of {P} x {k} completions of up to {C} tokens ({model_dir}):")
+    for name, seconds in times.items():
+        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -164,8 +224,10 @@ def main():
     decode_matmuls(cli.repeats)
     head_logprobs(cli.repeats)
     block_attention(cli.repeats)
+    clip_and_step(cli.repeats)
     if cli.model:
         dpo_blocks(cli.model, 4)
+        decoding_modes(cli.model, 4)
 
 
 if __name__ == "__main__":
