@@ -416,6 +416,9 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
     if parallel.world_size() > 1:  # under torchrun: average gradients over ranks first (see `distribute`)
         parallel.sync_gradients([p for g in optimizer.param_groups for p in g["params"]])
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    for p in params:  # a tied embedding's backward that did not reach the head (models.sparse_tied_embedding)
+        if p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
     if optimizer.defaults.get("fused") and max_grad_norm > 0 and all(p.dtype == torch.float32 for p in params):
         # clip_grad_norm_ inside torch's fused AdamW: its kernel divides each gradient by grad_scale as
         # it reads it (the hook torch's GradScaler uses), one pass over the gradients fewer

@@ -13,10 +13,12 @@ random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU 
   `common.optimizer_step`, which clips inside the fused kernel;
 - with --model: forward + backward of `completion_logprobs` for DPO's shape (2 prompts of 42 tokens x
   2 completions of 15, random tokens) with the blocks and with the whole mask, alternating 4 times;
-  and `sampling.generate` of 1 prompt x 8 completions x 32 tokens, its forwards under inference mode
-  (as it runs them) against no_grad, alternating 4 times.
+  `sampling.generate` of 1 prompt x 8 completions x 32 tokens, its forwards under inference mode
+  (as it runs them) against no_grad, alternating 4 times; and forward + backward of `completion_logprobs`
+  for GRPO's shape with the tied embedding's gradient sparse (`models.sparse_tied_embedding`) and
+  dense, alternating 6 times, with the page faults of each.
 
-    OMP_NUM_THREADS=1 python bench/cpu_kernels.py [--model models/SmolLM2-135M-Instruct]
+    OMP_NUM_THREADS=1 python bench/cpu_kernels.py [--model models/SmolLM2-135M-Instruct] [--only SECTIONS]
 """
 
 import argparse
@@ -215,19 +217,54 @@ def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
         print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
 
 
+def tied_embedding(model_dir, repeats, k=8, P=38, C=32):
+    """Forward + backward of completion_logprobs for GRPO's shape (1 prompt x k completions of C
+    tokens, random tokens) with the tied embedding's gradient sparse (models.sparse_tied_embedding)
+    and dense, alternating `repeats` times: CPU time and minor page faults of each."""
+    import resource
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    embedding = model.get_input_embeddings()
+    torch.manual_seed(0)
+    p_ids, c_ids = torch.randint(100, 1000, (1, P)), torch.randint(100, 1000, (k, C))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.process_time()
+        sampling.completion_logprobs(model, p_ids, torch.ones_like(p_ids), c_ids, torch.ones_like(c_ids)).sum().backward()
+        return time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - usage.ru_minflt
+
+    step()
+    times = {"sparse": [], "dense": []}
+    for _ in range(repeats):
+        for name in times:
+            embedding.sparse = name == "sparse"
+            times[name].append(step())
+    print(f"completion_logprobs, 1 prompt of {P} x {k} completions of {C}, forward + backward, the tied "
+          f"embedding's gradient ({model_dir}):")
+    for name, runs in times.items():
+        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f} ms ({faults // 1000}k faults)" for t, faults in runs))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default="", help="A model folder for DPO's shape, blocks against the whole mask.")
+    parser.add_argument("--model", default="", help="A model folder for the sections that load one.")
+    parser.add_argument("--only", default="", help="Comma-separated sections to run (default: all): decode, head, "
+                        "attention, clip, and with --model dpo_blocks, decoding_modes, tied_embedding.")
     cli = parser.parse_args()
     print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    decode_matmuls(cli.repeats)
-    head_logprobs(cli.repeats)
-    block_attention(cli.repeats)
-    clip_and_step(cli.repeats)
+    sections = {"decode": lambda: decode_matmuls(cli.repeats), "head": lambda: head_logprobs(cli.repeats),
+                "attention": lambda: block_attention(cli.repeats), "clip": lambda: clip_and_step(cli.repeats)}
     if cli.model:
-        dpo_blocks(cli.model, 4)
-        decoding_modes(cli.model, 4)
+        sections.update(dpo_blocks=lambda: dpo_blocks(cli.model, 4), decoding_modes=lambda: decoding_modes(cli.model, 4),
+                        tied_embedding=lambda: tied_embedding(cli.model, 6))
+    for name, run in sections.items():
+        if not cli.only or name in cli.only.split(","):
+            run()
 
 
 if __name__ == "__main__":

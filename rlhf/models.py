@@ -12,6 +12,7 @@ import os
 import torch
 
 from rlhf import lora
+from rlhf import parallel
 from rlhf import sampling
 from rlhf.basics import brief, check_hub_id, device, fail, freeze, torch_dtype
 
@@ -175,7 +176,24 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
         enable_checkpointing(model)
     if peft:
         model = lora.add_adapters(model, args)
+    elif adapters:
+        sparse_tied_embedding(model)
     return model
+
+
+def sparse_tied_embedding(model):
+    """A trained model whose input embedding is its LM head's weight (tied: SmolLM2, the small
+    Qwen2.5s, the embedded world's policies) gets a sparse gradient from the embedding's backward:
+    the rows of the batch's tokens, which autograd adds into the head's dense gradient in place.
+    The dense one is a zeroed vocabulary-sized tensor, and a second one holds the sum: two fresh
+    (V, d) allocations a backward, 113 MB each for SmolLM2 (docs/benchmarks.md, section 2). A
+    backward that reaches the embedding but not the head leaves a sparse gradient, which
+    common.optimizer_step makes dense. One process only: the ranks' gradient averaging and FSDP2
+    take dense gradients."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (parallel.world_size() == 1 and isinstance(embedding, torch.nn.Embedding) and head is not None
+            and head.weight is embedding.weight):
+        embedding.sparse = True
 
 
 def enable_checkpointing(model):

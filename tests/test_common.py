@@ -281,3 +281,50 @@ def test_a_gguf_file_is_not_read_from_a_folder_made_from_another_file(tmp_path):
         real_model.gguf_folder(str(gguf))
     (tmp_path / "m" / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": basics.file_sha256(gguf)}))
     assert real_model.gguf_folder(str(gguf)) == str(tmp_path / "m")
+
+
+def test_a_tied_embedding_trains_with_a_sparse_gradient_that_lands_dense(tiny_qwen, monkeypatch):
+    """A trained model whose embedding is its head's weight gets a sparse embedding gradient
+    (models.sparse_tied_embedding): autograd adds it into the head's dense one, so the weight's
+    gradient is dense and equal to the dense embedding's; a backward that reaches only the
+    embedding leaves a sparse gradient, which optimizer_step makes dense before the fused step.
+    Frozen models, untied ones and several ranks keep the dense embedding."""
+    from rlhf import models, parallel, sampling
+
+    args = _args(optim="adamw", use_peft=False, load_in_4bit=False, load_in_8bit=False)
+    model = common.load_model(tiny_qwen, args, adapters=True)
+    embedding = model.get_input_embeddings()
+    assert embedding.sparse and embedding.weight is model.get_output_embeddings().weight
+    assert not common.load_model(tiny_qwen, args).get_input_embeddings().sparse  # a frozen reference's
+    prompt, completions = torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9], [10, 8]])
+
+    def gradient(sparse):
+        embedding.sparse = sparse
+        model.zero_grad(set_to_none=True)
+        ones = torch.ones_like(completions)
+        sampling.completion_logprobs(model, prompt, torch.ones_like(prompt), completions, ones).sum().backward()
+        return embedding.weight.grad
+
+    dense, sparse = gradient(False), gradient(True)
+    assert not sparse.is_sparse and sparse.abs().sum() > 0
+    torch.testing.assert_close(sparse, dense)
+    steps = []
+    for sparse in (True, False):  # the embedding alone: no head in this backward
+        embedding.sparse, embedding.weight.grad = sparse, None
+        start = embedding.weight.detach().clone()
+        optimizer = torch.optim.AdamW([embedding.weight], lr=0.1, fused=True)
+        embedding(torch.tensor([3, 4, 3])).pow(2).sum().backward()
+        assert embedding.weight.grad.is_sparse == sparse
+        common.optimizer_step(optimizer, 1.0)
+        steps.append(embedding.weight.detach().clone())
+        embedding.weight.data.copy_(start)
+    torch.testing.assert_close(steps[0], steps[1])
+    untied = world.build_model(world.build_tokenizer(), hidden_size=64, num_layers=2)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    models.sparse_tied_embedding(untied)
+    assert not untied.get_input_embeddings().sparse
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    tied = world.build_model(world.build_tokenizer(), hidden_size=64, num_layers=2)
+    models.sparse_tied_embedding(tied)
+    assert not tied.get_input_embeddings().sparse
