@@ -419,11 +419,17 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
     for p in params:  # a tied embedding's backward that did not reach the head (models.sparse_tied_embedding)
         if p.grad.is_sparse:
             p.grad = p.grad.to_dense()
-    if optimizer.defaults.get("fused") and max_grad_norm > 0 and all(p.dtype == torch.float32 for p in params):
-        # clip_grad_norm_ inside torch's fused AdamW: its kernel divides each gradient by grad_scale as
-        # it reads it (the hook torch's GradScaler uses), one pass over the gradients fewer
+    # torch's fused AdamW clips inside its kernel: it divides each gradient by grad_scale as it reads it
+    # (the hook torch's GradScaler uses), one pass over the gradients fewer than clip_grad_norm_'s
+    fused_clip = optimizer.defaults.get("fused") and max_grad_norm > 0 and all(p.dtype == torch.float32 for p in params)
+    if fused_clip:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        check_finite("the gradient norm", grad_norm, step)
+    elif parallel.world_size() > 1 and any(parallel.is_sharded_param(p) for p in params):
+        grad_norm = parallel.grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    check_finite("the gradient norm", grad_norm, step)  # same value on every rank: all stop together
+    if fused_clip:
         scale = (grad_norm + 1e-6) / max_grad_norm  # the inverse of clip_grad_norm_'s coefficient
         optimizer.grad_scale = scale if scale > 1 else None
         try:
@@ -432,11 +438,6 @@ def optimizer_step(optimizer, max_grad_norm=0.0, step=None):
             del optimizer.grad_scale
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
-    if parallel.world_size() > 1 and any(parallel.is_sharded_param(p) for p in params):
-        grad_norm = parallel.grad_norm_(params, max_grad_norm)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    check_finite("the gradient norm", grad_norm, step)  # same value on every rank: all stop together
     low = [p for p in params if p.dtype == torch.bfloat16]
     if not low:
         optimizer.step()
