@@ -191,14 +191,21 @@ def clip_and_step(repeats):
         print(f"  {name:32} {min(seconds[1:]) * 1e3:6.1f} ms")  # the first (AdamW's state made) left out
 
 
+def fp32_model(model_dir):
+    """The model as transformers loads it, fp32 under sdpa: none of the project's own settings."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
 def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
     """sampling.generate of one prompt x k completions x C tokens, its forwards under inference mode
     (as it runs them) against no_grad, alternating `repeats` times."""
     from unittest import mock
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = fp32_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
     ids = torch.randint(100, 1000, (1, P))
@@ -223,9 +230,7 @@ def tied_embedding(model_dir, repeats, k=8, P=38, C=32):
     and dense, alternating `repeats` times: CPU time and minor page faults of each."""
     import resource
 
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = fp32_model(model_dir)
     embedding = model.get_input_embeddings()
     torch.manual_seed(0)
     p_ids, c_ids = torch.randint(100, 1000, (1, P)), torch.randint(100, 1000, (k, C))
