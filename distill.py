@@ -117,9 +117,9 @@ def token_divergence(model, teacher, batch, beta, temperature, chunk_tokens=None
     completion (batch["attention_mask"]); their heads run on the kept tokens only, in checkpointed
     chunks of `chunk_tokens` (default: 2**26 // vocab, 256 MB of fp32 logits per model)."""
     args = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["attention_mask"])
-    hidden = sampling.completion_states(model, *args)[:, :-1]  # (B, C, H): the state before each completion token
+    hidden = sampling.states_before(model, *args)  # (B, C, H): the state before each completion token
     with torch.no_grad():
-        teacher_hidden = sampling.completion_states(teacher, *args)[:, :-1]  # (B, C, H')
+        teacher_hidden = sampling.states_before(teacher, *args)  # (B, C, H')
     keep = batch["completion_mask"].bool()  # (B, C)
     h, h_teacher = hidden[keep], teacher_hidden[keep]  # (N, H), (N, H'): kept tokens only
     chunk = chunk_tokens or max(1, 2**26 // model.get_output_embeddings().weight.shape[0])

@@ -3,10 +3,11 @@ random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU 
 
 - decoding's matmuls: 8 rows times each of the model's 211 weight matrices (30 layers of q, k, v, o,
   gate, up, down, and the 49,152 x 576 head), as plain fp32 `F.linear`, against a transposed copy
-  of each weight, as W x^T, against MKL's packed weights (`sampling.packed_weights`'s op) and
+  of each weight, as W x^T, against MKL's packed weights (`decoding.packed_weights`'s op) and
   oneDNN's; the packing's time and size; one core's read bandwidth (`sum` over as many bytes);
 - the head's log-probs of 256 tokens, forward and backward: autograd's `gather - logsumexp`
-  against `sampling.LabelLogprob`;
+  against `sampling.LabelLogprob`, each also with the entropy (autograd's: the softmax times the
+  log-softmax, without gradient);
 - attention of a prompt of 38 tokens and 8 completions of 32 in one row (9 heads of 64), forward
   and backward: sdpa over the whole block mask against `sampling.prompt_block_attention`;
 - clipping the gradients and AdamW's fused step: `clip_grad_norm_` then the step, against
@@ -14,9 +15,12 @@ random tensors of SmolLM2-135M-Instruct's shapes (no weights needed), least CPU 
 - with --model: forward + backward of `completion_logprobs` for DPO's shape (2 prompts of 42 tokens x
   2 completions of 15, random tokens) with the blocks and with the whole mask, alternating 4 times;
   `sampling.generate` of 1 prompt x 8 completions x 32 tokens, its forwards under inference mode
-  (as it runs them) against no_grad, alternating 4 times; and forward + backward of `completion_logprobs`
-  for GRPO's shape with the tied embedding's gradient sparse (`models.sparse_tied_embedding`) and
-  dense, alternating 6 times, with the page faults of each.
+  (as it runs them) against no_grad, alternating 4 times; the same through decoding's fused step of the
+  Llama family (`decoding.llama_step`) against the model's own forward on packed weights, alternating 4
+  times; forward + backward of `completion_logprobs` for GRPO's shape reading each completion but its
+  last token (`sampling.states_before`) against reading all of it, alternating 4 times; and the same
+  pass with the tied embedding's gradient sparse (`models.sparse_tied_embedding`) and dense,
+  alternating 6 times, with the page faults of each.
 
     OMP_NUM_THREADS=1 python bench/cpu_kernels.py [--model models/SmolLM2-135M-Instruct] [--only SECTIONS]
 """
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rlhf import decoding  # noqa: E402
 from rlhf import sampling  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M-Instruct
@@ -76,7 +81,7 @@ def decode_matmuls(repeats, rows=8):
         again = cpu_best(lambda: [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights], 2)
         print(f"  MKL packing: {first:.3f} s into fresh memory, {again:.3f} s again; "
               f"{sum(p.numel() * 4 for p in packed) / 1e6:.0f} MB of packed copies")
-        report("MKL packed (sampling.packed_weights)",
+        report("MKL packed (decoding.packed_weights)",
                [lambda w=w, p=p: torch.ops.mkl._mkl_linear(x[w.shape[1]], p, w, None, rows) for w, p in zip(weights, packed)])
         del packed
     if torch.backends.mkldnn.is_available():
@@ -97,11 +102,19 @@ def head_logprobs(repeats, tokens=256):
         logits = (hidden @ weight.t()).float()
         return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
 
-    def ours():
-        return sampling.LabelLogprob.apply((hidden @ weight.t()).float(), labels)
+    def autograd_with_entropy():
+        logits = (hidden @ weight.t()).float()
+        with torch.no_grad():
+            (logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+    def ours(entropy=False):
+        return sampling.LabelLogprob.apply((hidden @ weight.t()).float(), labels, entropy)[0]
 
     print(f"the head's log-probs: {tokens} tokens x {VOCAB} x {HIDDEN}, forward + backward")
-    for name, fn in (("autograd: gather - logsumexp", autograd_way), ("sampling.LabelLogprob", ours)):
+    for name, fn in (("autograd: gather - logsumexp", autograd_way), ("sampling.LabelLogprob", ours),
+                     ("autograd, and the entropy", autograd_with_entropy),
+                     ("sampling.LabelLogprob, entropy", lambda: ours(True))):
         def step(fn=fn):
             weight.grad = hidden.grad = None
             fn().backward(upstream)
@@ -224,6 +237,61 @@ def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
         print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
 
 
+def fused_step(model_dir, repeats, k=8, P=38, C=32):
+    """sampling.generate of one prompt x k completions x C tokens through decoding's fused step of
+    the Llama family (`decoding.llama_step`, as it runs them) against the model's own forward on
+    MKL-packed weights, alternating `repeats` times."""
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+
+    model = fp32_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(100, 1000, (1, P))
+
+    def generate():
+        sampling.generate(model, tokenizer, ids, torch.ones_like(ids), C, num_return_sequences=k, seed=0)
+
+    generate()
+    times = {"fused Llama step": [], "the model's forward": []}
+    for _ in range(repeats):
+        times["fused Llama step"].append(cpu_best(generate, 1))
+        with mock.patch.object(decoding, "llama_weights", lambda *a: None):
+            times["the model's forward"].append(cpu_best(generate, 1))
+    print(f"sampling.generate, 1 prompt of {P} x {k} completions of up to {C} tokens ({model_dir}):")
+    for name, seconds in times.items():
+        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+
+
+def last_token(model_dir, repeats, k=8, P=38, C=32):
+    """Forward + backward of completion_logprobs for GRPO's shape (1 prompt x k completions of C
+    tokens, random tokens), the model reading each completion but its last token
+    (`sampling.states_before`, as it runs) against reading all C, alternating `repeats` times."""
+    from unittest import mock
+
+    model = fp32_model(model_dir)
+    torch.manual_seed(0)
+    p_ids, c_ids = torch.randint(100, 1000, (1, P)), torch.randint(100, 1000, (k, C))
+
+    def read_all(model, *args):  # every completion token through the model, the last state dropped
+        return sampling.completion_states(model, *args)[:, :-1]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        sampling.completion_logprobs(model, p_ids, torch.ones_like(p_ids), c_ids, torch.ones_like(c_ids)).sum().backward()
+
+    step()
+    times = {f"reads {C - 1} tokens a completion": [], f"reads {C}": []}
+    for _ in range(repeats):
+        times[f"reads {C - 1} tokens a completion"].append(cpu_best(step, 1))
+        with mock.patch.object(sampling, "states_before", read_all):
+            times[f"reads {C}"].append(cpu_best(step, 1))
+    print(f"completion_logprobs, 1 prompt of {P} x {k} completions of {C}, forward + backward ({model_dir}):")
+    for name, seconds in times.items():
+        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+
+
 def tied_embedding(model_dir, repeats, k=8, P=38, C=32):
     """Forward + backward of completion_logprobs for GRPO's shape (1 prompt x k completions of C
     tokens, random tokens) with the tied embedding's gradient sparse (models.sparse_tied_embedding)
@@ -259,13 +327,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="", help="A model folder for the sections that load one.")
     parser.add_argument("--only", default="", help="Comma-separated sections to run (default: all): decode, head, "
-                        "attention, clip, and with --model dpo_blocks, decoding_modes, tied_embedding.")
+                        "attention, clip, and with --model dpo_blocks, decoding_modes, fused_step, last_token, tied_embedding.")
     cli = parser.parse_args()
     print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}")
     sections = {"decode": lambda: decode_matmuls(cli.repeats), "head": lambda: head_logprobs(cli.repeats),
                 "attention": lambda: block_attention(cli.repeats), "clip": lambda: clip_and_step(cli.repeats)}
     if cli.model:
         sections.update(dpo_blocks=lambda: dpo_blocks(cli.model, 4), decoding_modes=lambda: decoding_modes(cli.model, 4),
+                        fused_step=lambda: fused_step(cli.model, 4), last_token=lambda: last_token(cli.model, 4),
                         tied_embedding=lambda: tied_embedding(cli.model, 6))
     for name, run in sections.items():
         if not cli.only or name in cli.only.split(","):

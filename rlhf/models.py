@@ -184,9 +184,10 @@ def load_model(name, args, cls=None, adapters=False, **kwargs):
 def sparse_tied_embedding(model):
     """A trained model whose input embedding is its LM head's weight (tied: SmolLM2, the small
     Qwen2.5s, the embedded world's policies) gets a sparse gradient from the embedding's backward:
-    the rows of the batch's tokens, which autograd adds into the head's dense gradient in place.
-    The dense one is a zeroed vocabulary-sized tensor, and a second one holds the sum: two fresh
-    (V, d) allocations a backward, 113 MB each for SmolLM2 (docs/benchmarks.md, section 2). A
+    the rows of the batch's tokens, which autograd adds to the head's dense gradient (into a copy
+    of it: the head's arrives first). The dense one is a zeroed vocabulary-sized tensor, and a
+    second one holds the sum: two fresh (V, d) allocations a backward where the sparse rows take
+    one, 113 MB each for SmolLM2 (docs/benchmarks.md, section 2). A
     backward that reaches the embedding but not the head leaves a sparse gradient, which
     common.optimizer_step makes dense. One process only: the ranks' gradient averaging and FSDP2
     take dense gradients."""

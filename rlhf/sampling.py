@@ -21,6 +21,7 @@ import torch
 
 from rlhf import basics
 from rlhf import data
+from rlhf import decoding
 from rlhf import parallel
 
 
@@ -288,9 +289,18 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     `(chunk_tokens, vocab)` exists at a time, in forward and in backward; never `(B, T, V)`.
     With `with_entropy`, also returns the per-token entropy of the (tempered) distribution.
     """
-    states = completion_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, 1+C, H)
-    hidden = states[:, :-1]  # (B, C, H): the state before each completion token
+    hidden = states_before(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C, H)
     return token_logprobs(model, hidden, completion_ids, completion_mask.bool(), temperature, with_entropy, chunk_tokens)
+
+
+def states_before(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The last-layer hidden state before each completion token, what predicts it: (B*k, C, H).
+    A completion's last column is a label only, never an input that predicts one, so the model
+    reads every completion token but the last (`completion_states` of the first C - 1): a group of
+    8 completions of 32 tokens after a 35-token prompt is 283 tokens a pass instead of 291."""
+    width = max(completion_ids.shape[1] - 1, 1)  # a one-token completion still needs a column for completion_states
+    states = completion_states(model, prompt_ids, prompt_mask, completion_ids[:, :width], completion_mask[:, :width])
+    return states[:, :completion_ids.shape[1]]  # (B*k, C, H)
 
 
 def packed_logprobs(model, input_ids, position_ids, loss_mask):
@@ -338,32 +348,37 @@ def _head_logprobs(head, transform, h, labels, temperature, with_entropy):
     logits = head(h).float()  # (n, V), fp32 for a stable log-softmax
     logits = transform(logits) if transform is not None else logits
     logits = logits / temperature if temperature != 1.0 else logits
-    lp = LabelLogprob.apply(logits, labels)
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            logz = logits.gather(-1, labels[:, None]).squeeze(-1) - lp  # LabelLogprob's, not computed again
-            ent = logz - (logits.softmax(-1) * logits).sum(-1)
-    return lp, ent
+    return LabelLogprob.apply(logits, labels, with_entropy)
 
 
 class LabelLogprob(torch.autograd.Function):
-    """log softmax(logits)[label]: (n, V), (n,) -> (n,). The same value and gradient as autograd's
-    `logits.gather(label) - logsumexp(logits)`, whose backward makes four (n, V) tensors (the
-    gather's zeros, the softmax, its product, their sum); this one makes one: -g * softmax, plus g at
-    the label. The head's logits are a model's largest activation (n x 49k floats for SmolLM2)."""
+    """log softmax(logits)[label], and with `with_entropy` the softmax's entropy (no gradient):
+    (n, V), (n,) -> (n,), (n,) or None. The same values and gradient as autograd's
+    `logits.gather(label) - logsumexp(logits)` and `-(softmax * log_softmax).sum()`, in one
+    exponential pass: e = exp(logits - max), s = sum(e), log Z = max + log s, the entropy
+    log Z - <e, logits> / s, and backward -g e / s plus g at the label, from the kept e. Autograd's
+    backward would make four (n, V) tensors (the gather's zeros, the softmax, its product, their
+    sum) and the entropy two more; this makes e, and one for the gradient. The head's logits are a
+    model's largest activation (n x 49k floats for SmolLM2)."""
 
     @staticmethod
-    def forward(ctx, logits, labels):
-        logz = torch.logsumexp(logits, -1)
-        ctx.save_for_backward(logits, labels, logz)
-        return logits.gather(-1, labels[:, None]).squeeze(-1) - logz
+    def forward(ctx, logits, labels, with_entropy):
+        top = logits.amax(-1, keepdim=True)  # (n, 1)
+        e = torch.sub(logits, top).exp_()  # (n, V)
+        s = e.sum(-1)  # (n,)
+        logz = top.squeeze(-1) + s.log()
+        entropy = None
+        if with_entropy:
+            entropy = logz - torch.bmm(e[:, None], logits[:, :, None]).view(-1) / s  # log Z - E_p[logit]
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(e, s, labels)
+        return logits.gather(-1, labels[:, None]).squeeze(-1) - logz, entropy
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, labels, logz = ctx.saved_tensors
-        grad_logits = (logits - logz[:, None]).exp_().mul_(-grad[:, None])  # -g softmax(logits)
-        return grad_logits.scatter_add_(-1, labels[:, None], grad[:, None]), None
+    def backward(ctx, grad, _):
+        e, s, labels = ctx.saved_tensors
+        grad_logits = e * (-grad / s)[:, None]  # -g softmax(logits)
+        return grad_logits.scatter_add_(-1, labels[:, None], grad[:, None]), None, None
 
 
 
@@ -403,7 +418,6 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
                     **with_cache(model, cache))
         logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # (B*n, V): next-token logits
         cache.batch_repeat_interleave(n)
-        preallocate(cache, prompt_ids.shape[1] + max_new_tokens)
         mask = prompt_mask.repeat_interleave(n, 0)
         next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # (B*n, 1)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -414,7 +428,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         generator = torch.Generator(device=logits.device) if do_sample and seed is not None else None
         first_row = parallel.rank() * logits.shape[0]  # this rank's rows in the global batch (parallel.shard)
         tokens = []
-        with packed_weights(model, logits.shape[0]):  # fp32 on an x86 CPU: MKL's packed matmuls for decoding
+
+        def model_step(token, mask, positions):  # the model's own forward, one token a row on the cache
+            return model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                         **with_cache(model, cache)).logits[:, -1].float()
+
+        # a CPU's faster ways to the same logits (rlhf/decoding.py), else model_step
+        with decoding.decoding_step(model, cache, logits.shape[0], prompt_ids.shape[1] + max_new_tokens, model_step) as step:
             for t in range(max_new_tokens):
                 if not logits.amax() < float("inf"):  # NaN/+inf (one reduction): a sentence, not a sampling error
                     basics.fail(f"the model's next-token logits hold NaN/inf (generated token {t + 1}): its weights "
@@ -432,8 +452,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
                 if finished or t + 1 == max_new_tokens:
                     break
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-                logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                               **with_cache(model, cache)).logits[:, -1].float()
+                logits = step(token, mask, next_position)  # (B*n, V)
                 next_position = next_position + 1
         del cache
     model.train(was_training)
@@ -446,71 +465,6 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     completion = completion.masked_fill(completion_mask == 0, pad)
     width = max(int(completion_mask.sum(1).max()), 1)
     return completion[:, :width], completion_mask[:, :width], truncated
-
-
-def preallocate(cache, capacity):
-    """Give each plain layer of a DynamicCache buffers of `capacity` positions, so that a decoding
-    step writes its token's keys and values into the next slot instead of copying the whole cache
-    into a longer one (transformers' `torch.cat`, a copy of every layer's cache every token). The
-    layer's keys and values stay views of its buffers up to the positions written. Other layers
-    (sliding windows, quantised caches) keep their own update."""
-    from transformers.cache_utils import DynamicLayer
-
-    for layer in getattr(cache, "layers", []):
-        if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.shape[-2] >= capacity:
-            continue
-        n = layer.keys.shape[-2]
-        buffers = [x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in (layer.keys, layer.values)]
-        for buffer, x in zip(buffers, (layer.keys, layer.values)):
-            buffer[..., :n, :] = x
-        layer.keys, layer.values = (b[..., :n, :] for b in buffers)
-        layer.update = functools.partial(_write_in_place, layer, *buffers)
-
-
-def _write_in_place(layer, keys, values, key_states, value_states, *args, **kwargs):
-    start, end = layer.keys.shape[-2], layer.keys.shape[-2] + key_states.shape[-2]
-    if end > keys.shape[-2]:  # past the buffers: grow as transformers does
-        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
-    keys[..., start:end, :] = key_states
-    values[..., start:end, :] = value_states
-    layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]
-    return layer.keys, layer.values
-
-
-PACKED_BYTES_PER_WEIGHT_BYTE = 5  # MKL's packed sgemm copies for a few rows: 2,740 MB for SmolLM2's 538 MB (bench/cpu_kernels.py)
-
-
-@contextlib.contextmanager
-def packed_weights(model, rows):
-    """While decoding `rows` rows a step on an x86 CPU in fp32: every plain nn.Linear multiplies by a
-    copy of its weight that MKL packed once for `rows` rows, where the plain matmul repacks the
-    weight at every call. Decoding reads every weight once a token for a few rows, so it is bound
-    by memory traffic, and the packed matmuls take a third less time (docs/benchmarks.md, "Where a
-    step's time goes"). The same products up to float32 rounding (another order of summation:
-    tests/test_sampling.py); another number of rows falls back to the plain matmul. MKL's packed
-    copies take about five times the weights' bytes until the loop ends, so they are made only
-    when PACKED_BYTES_PER_WEIGHT_BYTE times the weights fit in half the memory the machine has
-    free. Elsewhere (a GPU, bf16, a CPU without MKL, sharded or quantised weights): nothing changes."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
-               and m.weight.device.type == "cpu"]
-    packed_bytes = PACKED_BYTES_PER_WEIGHT_BYTE * sum(m.weight.numel() * 4 for m in linears)
-    if (not linears or not torch.backends.mkl.is_available() or parallel.is_sharded(model)
-            or packed_bytes > basics.free_memory_bytes() / 2):
-        yield
-        return
-    for m in linears:
-        weight = m.weight.detach()
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        m.forward = functools.partial(_packed_linear, packed, weight, m.bias, rows)
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.forward
-
-
-def _packed_linear(packed, weight, bias, rows, x):
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
 def sampling_noise(shape, device, generator=None, seed=None, step=0, first_row=0):

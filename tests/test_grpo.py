@@ -220,6 +220,8 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
     assert [("rollout_tokens_per_second" in r, r["rollout_time"] < r["step_time"] if "rollout_time" in r else None)
             for r in rows] == [(True, True), (False, None), (True, True), (False, None)]
     assert all(r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    vocab = json.load(open(os.path.join(tiny_qwen, "config.json")))["vocab_size"]
+    assert all(0 < r["entropy"] <= math.log(vocab) for r in rows)  # nats of a softmax over the vocabulary
     assert 0 < summary["rollout_time"] < summary["step_time"] and summary["rollout_tokens_per_second"] > 0
     assert 0 < summary["mfu"] < 1 and summary["peak_flops"] > 0 and summary["flops_per_step"] > 0
     assert -1 <= summary["gold_score"] <= 1
@@ -232,6 +234,34 @@ def test_grpo_on_the_embedded_world(tmp_path, tiny_qwen):
 
     for folder in (out, os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")):
         assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "qwen2"
+
+
+def test_main_logs_the_entropy_of_the_tempered_softmax(tmp_path, tiny_qwen, monkeypatch):
+    """grpo.main's first step logs as `entropy` the token mean of -sum p log p over the policy's
+    tempered next-token distribution, written here with the model's full logits and torch's
+    log_softmax on the completions main sampled, at the initial weights."""
+    from conftest import run_main
+    from transformers import AutoModelForCausalLM
+
+    from rlhf import sampling
+
+    calls, completion_logprobs = [], sampling.completion_logprobs
+    monkeypatch.setattr(sampling, "completion_logprobs",
+                        lambda *a, **kw: (kw.get("with_entropy") and calls.append(a[1:])) or completion_logprobs(*a, **kw))
+    out = tmp_path / "grpo"
+    run_main(grpo, ["--model", tiny_qwen, "--output_dir", str(out), "--max_steps", "1", "--batch_size", "2",
+                    "--num_generations", "4", "--max_completion_length", "8", "--temperature", "0.7", "--optim", "adamw",
+                    "--max_prompt_length", "12"], monkeypatch)
+    (p_ids, p_mask, c_ids, c_mask, temperature), = calls
+    p_ids, p_mask = p_ids.repeat_interleave(4, 0), p_mask.repeat_interleave(4, 0)  # a prompt for each of its completions
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
+    log_p = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float() / temperature, -1)
+    entropy = -(log_p.exp() * log_p).sum(-1)  # (B, C)
+    expected = float((entropy * c_mask).sum() / c_mask.sum())
+    assert temperature == 0.7 and json.loads(open(out / "metrics.jsonl").readline())["entropy"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_grpo_any_model_with_user_reward_and_reward_model(tmp_path, tiny_llama):

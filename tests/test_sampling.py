@@ -51,16 +51,21 @@ def test_completion_logprobs_match_full_softmax(chunk_tokens):
 
 def test_label_logprob_is_autograds_log_softmax_gather():
     """LabelLogprob's value and gradient, under any upstream gradient, are those of
-    log_softmax(logits)[label]; torch's gradcheck compares its backward with finite differences."""
+    log_softmax(logits)[label], and its entropy is -(softmax * log_softmax).sum(); torch's
+    gradcheck compares its backward with finite differences."""
     torch.manual_seed(0)
-    logits = (3 * torch.randn(5, 11, dtype=torch.float64)).requires_grad_()
+    logits = (3 * torch.randn(5, 11, dtype=torch.float64) + 40).requires_grad_()  # far from 0: the max shift matters
     labels = torch.tensor([0, 3, 10, 3, 7])
     upstream = torch.randn(5, dtype=torch.float64)
-    ours = sampling.LabelLogprob.apply(logits, labels)
+    ours, entropy = sampling.LabelLogprob.apply(logits, labels, True)
     plain = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
     torch.testing.assert_close(ours, plain)
     torch.testing.assert_close(torch.autograd.grad(ours, logits, upstream)[0], torch.autograd.grad(plain, logits, upstream)[0])
-    assert torch.autograd.gradcheck(lambda x: sampling.LabelLogprob.apply(x, labels), (logits,))
+    log_p = torch.log_softmax(logits.detach(), -1)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
+    assert not entropy.requires_grad
+    assert sampling.LabelLogprob.apply(logits, labels, False)[1] is None
+    assert torch.autograd.gradcheck(lambda x: sampling.LabelLogprob.apply(x, labels, False)[0], (logits,))
 
 
 @pytest.mark.parametrize("checkpointing,attention", [(False, "sdpa"), (True, "sdpa"), (False, "eager"), (True, "eager")])
@@ -94,7 +99,8 @@ def test_shared_prompts_match_repeated_prompts(checkpointing, attention, monkeyp
     assert g_ref.abs().sum() > 0  # the prompt's keys get gradient through the shared cache
     assert rows == ([1] if attention == "sdpa" else [])
     # block by block in each of the 2 layers, but not under checkpointing (its recompute runs plain sdpa)
-    assert blocks == ([(p_ids.shape[1], 2, c_ids.shape[1])] * 2 if attention == "sdpa" and not checkpointing else [])
+    # the model reads each completion but its last token, a label only (states_before)
+    assert blocks == ([(p_ids.shape[1], 2, c_ids.shape[1] - 1)] * 2 if attention == "sdpa" and not checkpointing else [])
 
 
 def test_blocks_that_skip_little_attention_keep_the_whole_mask(monkeypatch):
@@ -104,7 +110,7 @@ def test_blocks_that_skip_little_attention_keep_the_whole_mask(monkeypatch):
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"])
     c_ids, c_mask = data.encode_completions(tok, [" alice bought bike .", " alice ."])
-    P, C = p_ids.shape[1], c_ids.shape[1]
+    P, C = p_ids.shape[1], c_ids.shape[1] - 1  # the model reads each completion but its last token (states_before)
     work = (P + 2 * C) ** 2 - (P * P + 2 * C * (P + C))  # one row: the whole mask's pairs less the blocks'
     work *= model.config.hidden_size
     blocks = []
@@ -170,8 +176,8 @@ def test_decoding_runs_in_inference_mode_and_returns_tensors_autograd_can_save(m
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=64, num_layers=2)
     ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost the phone .\nTL;DR:"])
-    modes = []
-    model.register_forward_pre_hook(lambda module, args: modes.append(torch.is_inference_mode_enabled()))
+    modes = []  # the embedding runs in every forward: the model's own and decoding's fused step (rlhf/decoding.py)
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: modes.append(torch.is_inference_mode_enabled()))
     out = sampling.generate(model, tok, ids, mask, 6, num_return_sequences=2, seed=0)
     assert len(modes) > 1 and all(modes)
     assert not any(torch.is_inference(x) for x in out)
@@ -181,36 +187,6 @@ def test_decoding_runs_in_inference_mode_and_returns_tensors_autograd_can_save(m
     sharded = sampling.generate(model, tok, ids, mask, 6, num_return_sequences=2, seed=0)
     assert len(modes) > 1 and not any(modes)
     assert all(torch.equal(a, b) for a, b in zip(out, sharded))
-
-
-def test_decoding_writes_each_token_into_preallocated_cache_buffers(monkeypatch):
-    """generate gives each cache layer buffers for the prompt and every new token: the samples are
-    those of transformers' growing cache, and after the prefill no layer concatenates its cache;
-    a layer given too few positions goes back to concatenating, with the same keys and values."""
-    from transformers.cache_utils import DynamicLayer
-
-    tok = world.build_tokenizer()
-    model = world.build_model(tok, hidden_size=64, num_layers=2)
-    ids, mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:", "POST: bob lost the phone .\nTL;DR:"])
-    grown = []
-    update = DynamicLayer.update
-    monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **kw: grown.append(1) or update(self, *a, **kw))
-    ours = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
-    assert len(grown) == 2  # the prefill's, one a layer
-    layer = DynamicLayer()
-    layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
-    before = [x.clone() for x in (layer.keys, layer.values)]
-    sampling.preallocate(types.SimpleNamespace(layers=[DynamicLayer(), layer]), 4)  # an empty layer first: skipped
-    new = [torch.randn(1, 2, 1, 4) for _ in range(4)]
-    keys, values = layer.update(new[0], new[1])  # the last free position: written in place
-    assert len(grown) == 3 and torch.equal(keys, torch.cat([before[0], new[0]], -2))
-    assert torch.equal(values, torch.cat([before[1], new[1]], -2))
-    keys, values = layer.update(new[2], new[3])  # past the buffers: concatenated
-    assert len(grown) == 4 and torch.equal(keys, torch.cat([before[0], new[0], new[2]], -2))
-    assert torch.equal(values, torch.cat([before[1], new[1], new[3]], -2))
-    monkeypatch.setattr(sampling, "preallocate", lambda cache, capacity: None)
-    plain = sampling.generate(model, tok, ids, mask, 8, num_return_sequences=3, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(ours, plain)) and len(grown) > 4
 
 
 def test_sampling_filters_keep_top_k_and_the_nucleus():
@@ -618,54 +594,15 @@ def test_the_filters_and_the_noise_default_to_leaving_things_as_they_are():
         assert torch.equal(plain, sampling.token_logprobs(model, hidden, labels, keep, 1.0, False, None))
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's packed matmuls are x86's")
-def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeypatch):
-    """packed_weights: a forward of `rows` rows (the decode steps) gives the plain forward's
-    logits up to float32 rounding, another number of rows exactly (it falls back), and once the
-    block ends every Linear is plain again (its forward is the class's, its weight untouched).
-    Nothing is packed where five times the weights' bytes would not fit in half the free memory."""
-    tok = world.build_tokenizer()
-    model = world.build_model(tok, hidden_size=64, num_layers=2).eval()
-    ids = torch.randint(0, len(tok), (5, 7), generator=torch.Generator().manual_seed(0))
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    weights = [m.weight.clone() for m in linears]
-    calls, packed_linear = [], sampling._packed_linear
-    monkeypatch.setattr(sampling, "_packed_linear", lambda *a: calls.append(a[-1].shape[0] * a[-1].shape[1]) or packed_linear(*a))
-    with torch.no_grad():
-        plain = [model(input_ids=ids[:, :1]).logits, model(input_ids=ids).logits]
-        with sampling.packed_weights(model, 5):
-            assert all("forward" in vars(m) for m in linears)
-            packed = [model(input_ids=ids[:, :1]).logits, model(input_ids=ids).logits]
-    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(packed[1], plain[1])
-    assert calls == [5] * len(linears) + [35] * len(linears)  # every Linear went through MKL's op, twice
-    assert not any("forward" in vars(m) for m in linears)
-    assert all(torch.equal(m.weight, w) for m, w in zip(linears, weights))
-    weight_bytes = sum(m.weight.numel() * 4 for m in linears)
-    monkeypatch.setattr(sampling.basics, "free_memory_bytes", lambda: 2 * 5 * weight_bytes - 1)  # the copies would not fit
-    with sampling.packed_weights(model, 5):
-        assert not any("forward" in vars(m) for m in linears)
-    monkeypatch.setattr(sampling.basics, "free_memory_bytes", lambda: 2 * 5 * weight_bytes)
-    with sampling.packed_weights(model, 5):
-        assert all("forward" in vars(m) for m in linears)
-    with sampling.packed_weights(model.bfloat16(), 5):  # bf16: nothing is packed
-        assert not any("forward" in vars(m) for m in linears)
-    biased = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))  # a Linear's bias is added too (Qwen2's q/k/v)
-    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), sampling.packed_weights(biased, 5):
-        packed = biased(x)
-    torch.testing.assert_close(packed, biased(x).detach(), rtol=1e-5, atol=1e-6)
-
-
 def test_one_row_serves_a_cpu_under_sdpa_within_a_sliding_window():
     """fits_one_row: the block mask knows no sliding window, so a row longer than the model's window
     takes the cached-prompt path (whose layers apply it); eager attention takes it too."""
     tok = world.build_tokenizer()
     model = world.build_model(tok, hidden_size=16, num_layers=1)
-    model.config.sliding_window = 12
-    assert sampling.fits_one_row(model, 12) and not sampling.fits_one_row(model, 13)
+    model.config.sliding_window = 11
+    assert sampling.fits_one_row(model, 11) and not sampling.fits_one_row(model, 12)
     p_ids, p_mask = data.encode_prompts(tok, ["POST: alice bought the bike .\nTL;DR:"])  # 8 tokens
-    c_ids, c_mask = data.encode_completions(tok, [" alice .", " bob ."])  # 2 x 3: a row of 14
+    c_ids, c_mask = data.encode_completions(tok, [" alice .", " bob ."])  # 2 x 3, read but the last: a row of 12
     rows = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampling, "prompt_rows", lambda *a: rows.append(1) or prompt_rows(*a))
@@ -673,6 +610,6 @@ def test_one_row_serves_a_cpu_under_sdpa_within_a_sliding_window():
             sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
             model.config.sliding_window = None
             sampling.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask)
-    assert p_ids.shape[1] + 2 * c_ids.shape[1] > 12 and rows == [1]
+    assert p_ids.shape[1] + 2 * (c_ids.shape[1] - 1) > 11 and rows == [1]
     model.set_attn_implementation("eager")
-    assert not sampling.fits_one_row(model, 12)
+    assert not sampling.fits_one_row(model, 11)

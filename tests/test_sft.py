@@ -27,7 +27,9 @@ def test_sft_from_scratch_on_the_embedded_world(tmp_path):
     # throughput (rlhf/throughput.py): every step's, and the run's after its first step
     assert all(r["step_time"] > 0 and r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert 0 < summary["step_time"] <= summary["seconds_per_step"] and "rollout_tokens_per_second" not in summary
-    assert summary["tokens_per_second"] * summary["step_time"] == pytest.approx((rows[-1]["num_tokens"] - rows[0]["num_tokens"]) / 5)
+    read = summary["tokens_per_second"] * summary["step_time"]  # a step's tokens the model read
+    batch = (rows[-1]["num_tokens"] - rows[0]["num_tokens"]) / 5  # a step's tokens in the batch (TRL's num_tokens)
+    assert batch - 8 - 1e-6 <= read <= batch - 1 + 1e-6  # each completion but its last token, a label only: the widest lose it
     assert summary["mfu"] == pytest.approx(summary["flops_per_step"] / summary["step_time"] / summary["peak_flops"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -131,6 +133,34 @@ def test_multi_turn_sft_trains_only_the_assistant_turns(tmp_path, tiny_llama, mo
     assert int(mask.sum()) == int(num_tokens)  # the normaliser counts the trained tokens, as the mask does
     logged = json.loads(open(out / "metrics.jsonl").readline())["loss"]
     assert logged == pytest.approx(float(-(logprobs * mask).sum() / mask.sum()), rel=1e-5)
+
+
+def test_main_takes_the_gradient_of_the_full_log_softmax_loss(tmp_path, tiny_llama, monkeypatch):
+    """sft.main's first step: the loss and the gradient norm (before clipping) it logs are those of
+    the loss written with the model's full logits and torch's log_softmax on the same batch at the
+    initial weights: the head's log-prob and its backward (sampling.LabelLogprob), the completion's
+    states, the mask and the token mean, all through main()."""
+    import sft
+    from conftest import run_main
+    from transformers import AutoModelForCausalLM
+
+    from rlhf import sampling
+
+    batches, completion_logprobs = [], sampling.completion_logprobs
+    monkeypatch.setattr(sampling, "completion_logprobs", lambda *a, **kw: batches.append(a[1:]) or completion_logprobs(*a, **kw))
+    out = tmp_path / "sft"
+    run_main(sft, ["--model", tiny_llama, "--output_dir", str(out), "--max_steps", "1", "--batch_size", "4",
+                   "--optim", "adamw", "--dataset", "embedded"], monkeypatch)
+    (p_ids, p_mask, c_ids, c_mask), = batches
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)  # the weights of step 1
+    ids, mask = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=sampling.position_ids(mask)).logits
+    logprobs = torch.log_softmax(logits[:, p_ids.shape[1] - 1:-1].float(), -1).gather(-1, c_ids[..., None]).squeeze(-1)
+    loss = -(logprobs * c_mask).sum() / c_mask.sum()
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    logged = json.loads(open(out / "metrics.jsonl").readline())
+    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5) and logged["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
 
 
 @torch.no_grad()
