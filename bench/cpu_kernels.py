@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import types
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -169,9 +170,7 @@ def dpo_blocks(model_dir, repeats, B=2, k=2, P=42, C=15):
             sampling.BLOCK_ATTENTION_MIN_WORK = threshold
             step()
             times[name].append(cpu_best(step, repeats))
-    print(f"completion_logprobs, {B} prompts of {P} x {k} completions of {C}, forward + backward ({model_dir}):")
-    for name, seconds in times.items():
-        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+    print_times(f"completion_logprobs, {B} prompts of {P} x {k} completions of {C}, forward + backward ({model_dir}):", times)
 
 
 def clip_and_step(repeats):
@@ -211,11 +210,9 @@ def fp32_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
-    """sampling.generate of one prompt x k completions x C tokens, its forwards under inference mode
-    (as it runs them) against no_grad, alternating `repeats` times."""
-    from unittest import mock
-
+def generate_two_ways(model_dir, repeats, names, patch, k=8, P=38, C=32):
+    """sampling.generate of one prompt x k completions x C tokens as it runs (names[0]) and inside
+    `patch()` (names[1]), alternating `repeats` times."""
     from transformers import AutoTokenizer
 
     model = fp32_model(model_dir)
@@ -227,49 +224,37 @@ def decoding_modes(model_dir, repeats, k=8, P=38, C=32):
         sampling.generate(model, tokenizer, ids, torch.ones_like(ids), C, num_return_sequences=k, seed=0)
 
     generate()
-    times = {"inference mode": [], "no_grad": []}
+    times = {name: [] for name in names}
     for _ in range(repeats):
-        times["inference mode"].append(cpu_best(generate, 1))
-        with mock.patch.object(torch, "inference_mode", lambda mode=True: torch.no_grad()):
-            times["no_grad"].append(cpu_best(generate, 1))
-    print(f"sampling.generate, 1 prompt of {P} x {k} completions of up to {C} tokens ({model_dir}):")
+        times[names[0]].append(cpu_best(generate, 1))
+        with patch():
+            times[names[1]].append(cpu_best(generate, 1))
+    print_times(f"sampling.generate, 1 prompt of {P} x {k} completions of up to {C} tokens ({model_dir}):", times)
+
+
+def print_times(title, times):
+    print(title)
     for name, seconds in times.items():
         print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
 
 
-def fused_step(model_dir, repeats, k=8, P=38, C=32):
-    """sampling.generate of one prompt x k completions x C tokens through decoding's fused step of
-    the Llama family (`decoding.llama_step`, as it runs them) against the model's own forward on
-    MKL-packed weights, alternating `repeats` times."""
-    from unittest import mock
+def decoding_modes(model_dir, repeats):
+    """sampling.generate, its forwards under inference mode (as it runs them) against no_grad."""
+    generate_two_ways(model_dir, repeats, ("inference mode", "no_grad"),
+                      lambda: mock.patch.object(torch, "inference_mode", lambda mode=True: torch.no_grad()))
 
-    from transformers import AutoTokenizer
 
-    model = fp32_model(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    ids = torch.randint(100, 1000, (1, P))
-
-    def generate():
-        sampling.generate(model, tokenizer, ids, torch.ones_like(ids), C, num_return_sequences=k, seed=0)
-
-    generate()
-    times = {"fused Llama step": [], "the model's forward": []}
-    for _ in range(repeats):
-        times["fused Llama step"].append(cpu_best(generate, 1))
-        with mock.patch.object(decoding, "llama_weights", lambda *a: None):
-            times["the model's forward"].append(cpu_best(generate, 1))
-    print(f"sampling.generate, 1 prompt of {P} x {k} completions of up to {C} tokens ({model_dir}):")
-    for name, seconds in times.items():
-        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+def fused_step(model_dir, repeats):
+    """sampling.generate through decoding's fused step of the Llama family (`decoding.llama_step`, as
+    it runs) against the model's own forward on MKL-packed weights."""
+    generate_two_ways(model_dir, repeats, ("fused Llama step", "the model's forward"),
+                      lambda: mock.patch.object(decoding, "llama_weights", lambda *a: None))
 
 
 def last_token(model_dir, repeats, k=8, P=38, C=32):
     """Forward + backward of completion_logprobs for GRPO's shape (1 prompt x k completions of C
     tokens, random tokens), the model reading each completion but its last token
     (`sampling.states_before`, as it runs) against reading all C, alternating `repeats` times."""
-    from unittest import mock
-
     model = fp32_model(model_dir)
     torch.manual_seed(0)
     p_ids, c_ids = torch.randint(100, 1000, (1, P)), torch.randint(100, 1000, (k, C))
@@ -287,9 +272,7 @@ def last_token(model_dir, repeats, k=8, P=38, C=32):
         times[f"reads {C - 1} tokens a completion"].append(cpu_best(step, 1))
         with mock.patch.object(sampling, "states_before", read_all):
             times[f"reads {C}"].append(cpu_best(step, 1))
-    print(f"completion_logprobs, 1 prompt of {P} x {k} completions of {C}, forward + backward ({model_dir}):")
-    for name, seconds in times.items():
-        print(f"  {name:32} " + ", ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+    print_times(f"completion_logprobs, 1 prompt of {P} x {k} completions of {C}, forward + backward ({model_dir}):", times)
 
 
 def tied_embedding(model_dir, repeats, k=8, P=38, C=32):
