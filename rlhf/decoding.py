@@ -147,6 +147,10 @@ def llama_weights(model, rows, capacity):
     if type(model).__name__ not in LLAMA_FAMILY or config.hidden_act != "silu" or (window and window < capacity):
         return None  # within `capacity` positions a window hides nothing
     body = model.model
+    norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    named = [hasattr(layer.self_attn, "scaling") and hasattr(layer.self_attn, "head_dim") for layer in body.layers]
+    if not all(named) or not all(hasattr(n, "variance_epsilon") for n in norms):
+        return None  # a transformers version that names these otherwise: its own forward
     projections = [{name: layer.get_submodule(path) for name, path in PROJECTIONS.items()} for layer in body.layers]
     linears = [model.lm_head] + [m for layer in projections for m in layer.values()]
     if any(type(m) is not torch.nn.Linear for m in linears) or not can_pack(model, linears):
