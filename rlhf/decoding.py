@@ -81,18 +81,12 @@ def packed_weights(model, rows):
         yield
         return
     for m in linears:
-        weight = m.weight.detach()
-        m.forward = functools.partial(_packed_linear, torch.ops.mkl._mkl_reorder_linear_weight(weight, rows), weight,
-                                      m.bias, rows)
+        m.forward = functools.partial(packed_matmul, pack(m.weight, m.bias, rows))
     try:
         yield
     finally:
         for m in linears:
             del m.forward
-
-
-def _packed_linear(packed, weight, bias, rows, x):
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
 # ============================================================================ cache buffers
@@ -108,9 +102,7 @@ def preallocate(cache, capacity):
         if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.shape[-2] >= capacity:
             continue
         n = layer.keys.shape[-2]
-        buffers = [x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in (layer.keys, layer.values)]
-        for buffer, x in zip(buffers, (layer.keys, layer.values)):
-            buffer[..., :n, :] = x
+        buffers = [_buffer(x, capacity) for x in (layer.keys, layer.values)]
         layer.keys, layer.values = (b[..., :n, :] for b in buffers)
         layer.update = functools.partial(_write_in_place, layer, *buffers)
 
@@ -128,13 +120,14 @@ def _write_in_place(layer, keys, values, key_states, value_states, *args, **kwar
 def cache_buffers(cache, capacity):
     """Each layer's prefilled keys and values (R, kv heads, P, head dim) copied into buffers of
     `capacity` positions, for llama_step to write each new token's into: ([keys], [values])."""
-    keys, values = [], []
-    for layer in cache.layers:
-        for x, out in ((layer.keys, keys), (layer.values, values)):
-            buffer = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
-            buffer[..., :x.shape[-2], :] = x
-            out.append(buffer)
-    return keys, values
+    return [_buffer(layer.keys, capacity) for layer in cache.layers], [_buffer(layer.values, capacity) for layer in cache.layers]
+
+
+def _buffer(x, capacity):
+    """x's positions (dim -2) at the start of a buffer of `capacity` positions."""
+    buffer = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
+    buffer[..., :x.shape[-2], :] = x
+    return buffer
 
 
 # ============================================================================ the Llama family's step

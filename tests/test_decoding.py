@@ -158,8 +158,8 @@ def test_packed_weights_give_the_plain_matmuls_numbers_and_go_away_after(monkeyp
     ids = torch.randint(0, len(tok), (5, 7), generator=torch.Generator().manual_seed(0))
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     weights = [m.weight.clone() for m in linears]
-    calls, packed_linear = [], decoding._packed_linear
-    monkeypatch.setattr(decoding, "_packed_linear", lambda *a: calls.append(a[-1].shape[0] * a[-1].shape[1]) or packed_linear(*a))
+    calls, packed_matmul = [], decoding.packed_matmul
+    monkeypatch.setattr(decoding, "packed_matmul", lambda *a: calls.append(a[-1].shape[0] * a[-1].shape[1]) or packed_matmul(*a))
     with torch.no_grad():
         plain = [model(input_ids=ids[:, :1]).logits, model(input_ids=ids).logits]
         with decoding.packed_weights(model, 5):
