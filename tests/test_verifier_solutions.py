@@ -29,6 +29,15 @@ def searchable(path):
     return True
 
 
+def outside_scratch():
+    """A folder no scratch tmpfs of the sandbox covers, for a private home to be hidden there: the
+    checkout, else (a checkout under /tmp) the home folder."""
+    for parent in (ROOT, os.path.expanduser("~")):
+        if not any(parent == s or parent.startswith(s + "/") for s in ("/tmp", "/var/tmp", "/dev/shm")):
+            return parent
+    pytest.skip("no folder outside /tmp, /var/tmp and /dev/shm to hold a private home")
+
+
 @pytest.fixture(params=["where it is", "private home", "readable folder", "private folder under /tmp"])
 def interpreter(request, monkeypatch):
     """(kind, folder): sys.executable is this one (folder None) or a copy in folder/python."""
@@ -36,7 +45,7 @@ def interpreter(request, monkeypatch):
         yield request.param, None
         return
     # outside /tmp (the sandbox's scratch tmpfs hides it) unless that is the case under test
-    parent = tempfile.gettempdir() if "/tmp" in request.param else ROOT
+    parent = tempfile.gettempdir() if "/tmp" in request.param else outside_scratch()
     if request.param == "readable folder" and not searchable(parent):
         pytest.skip(f"{parent} is not readable by others")
     folder = tempfile.mkdtemp(prefix=".interpreter-", dir=parent)  # mode 700: a private home
