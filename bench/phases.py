@@ -112,10 +112,12 @@ def main():
     decode_attended = sum(int(c_mask[:, t].sum()) * (P + t + 1) for t in range(c_mask.shape[1]))  # t-th new token: P + t + 1 keys
     phase("grpo", "generation: decode", total - prefill, forward_flops(shape, n_new, decode_attended),
           c_mask.shape[1] * weight_bytes)
-    attended = P * (P + 1) // 2 + decode_attended  # the prompt once, then each completion token its prefix
+    read = c_mask[:, :-1]  # the log-probs' passes read each completion but its last token (sampling.states_before)
+    attended = P * (P + 1) // 2 + sum(int(read[:, t].sum()) * (P + t + 1) for t in range(read.shape[1]))  # the prompt once, then each token its prefix
+    n_read = P + int(read.sum())
     with torch.no_grad():
         seconds, _ = cpu_best(lambda: sampling.completion_logprobs(ref, p_ids, p_mask, c_ids, c_mask), cli.repeats)
-    phase("grpo", "reference log-probs", seconds, forward_flops(shape, P + n_new, attended), 2 * weight_bytes)
+    phase("grpo", "reference log-probs", seconds, forward_flops(shape, n_read, attended), 2 * weight_bytes)
     advantages = torch.randn(G)
 
     def update_forward():
@@ -123,17 +125,17 @@ def main():
         return -(advantages[:, None] * logprobs).sum() / c_mask.sum()
 
     seconds, loss = cpu_best(update_forward, cli.repeats)
-    phase("grpo", "update: forward", seconds, forward_flops(shape, P + n_new, attended), 2 * weight_bytes)
+    phase("grpo", "update: forward", seconds, forward_flops(shape, n_read, attended), 2 * weight_bytes)
     seconds, _ = cpu_best(lambda: (model.zero_grad(set_to_none=True), update_forward().backward()), cli.repeats)  # fresh grads, as a step
     backward = seconds - rows[-1][2]
-    phase("grpo", "update: backward", backward, forward_flops(shape, P + n_new, attended, backward=True), 4 * weight_bytes)
+    phase("grpo", "update: backward", backward, forward_flops(shape, n_read, attended, backward=True), 4 * weight_bytes)
     optimizer_phase("grpo")
 
     # ---- DPO: 2 pairs (the reference's log-probs precomputed once before training: not a step's)
     rejected = [" " + s.strip().split(" . ")[0] + " ." for s in summaries]  # a shorter summary: one fact
     batch = dpo.encode_pairs(tokenizer, posts, summaries, rejected,
                              argparse.Namespace(max_prompt_length=512, max_completion_length=256), [tokenizer.eos_token_id])
-    prompt_len, c_len = batch["prompt_mask"].sum(1), batch["completion_mask"]  # (B,), (2B, C)
+    prompt_len, c_len = batch["prompt_mask"].sum(1), batch["completion_mask"][:, :-1]  # (B,), (2B, C - 1): what is read
     tokens = int(prompt_len.sum()) + int(c_len.sum())  # each prompt once for its two completions (pair_logps)
     dpo_attended = int((prompt_len * (prompt_len + 1) // 2).sum()) + sum(
         int(c_len[r, t]) * (int(prompt_len[r % len(posts)]) + t + 1) for r in range(c_len.shape[0]) for t in range(c_len.shape[1]))
