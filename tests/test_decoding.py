@@ -43,7 +43,7 @@ def prompts(tok):
 def test_the_llama_step_gives_the_models_logits(name, overrides):
     """llama_step, token by token on the same prefilled cache, gives transformers' next-token logits
     for 2 left-padded prompts x 3 rows each, over 6 steps (the keys and values of each step written
-    into its buffers); it runs on packed weights stacked as q|k|v and gate|up."""
+    into its buffers, which then hold transformers' cache), with attention and MLP biases too."""
     from transformers import DynamicCache
 
     model, tok = tiny(name, **overrides)
