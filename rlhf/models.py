@@ -187,10 +187,9 @@ def sparse_tied_embedding(model):
     the rows of the batch's tokens, which autograd adds to the head's dense gradient (into a copy
     of it: the head's arrives first). The dense one is a zeroed vocabulary-sized tensor, and a
     second one holds the sum: two fresh (V, d) allocations a backward where the sparse rows take
-    one, 113 MB each for SmolLM2 (docs/benchmarks.md, section 2). A
-    backward that reaches the embedding but not the head leaves a sparse gradient, which
-    common.optimizer_step makes dense. One process only: the ranks' gradient averaging and FSDP2
-    take dense gradients."""
+    one, 113 MB each for SmolLM2 (docs/benchmarks.md, section 2). A backward that reaches the
+    embedding but not the head leaves a sparse gradient, which common.optimizer_step makes dense.
+    One process only: the ranks' gradient averaging and FSDP2 take dense gradients."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if (parallel.world_size() == 1 and isinstance(embedding, torch.nn.Embedding) and head is not None
             and head.weight is embedding.weight):
